@@ -1,0 +1,28 @@
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: test lint demo bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check batchctl tests benchmarks examples
+	$(VENV)/bin/mypy batchctl
+
+demo: $(STAMP)
+	$(PY) examples/make_images.py demo/images --count 200
+	$(VENV)/bin/batchctl build demo/images -o demo/images.zarr --batch-size 32 --force
+
+bench: $(STAMP)
+	$(PY) benchmarks/run.py
+
+clean:
+	rm -rf $(VENV) demo .pytest_cache .mypy_cache .ruff_cache

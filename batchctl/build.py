@@ -1,0 +1,308 @@
+"""Build: plan a build (up to date? resume? start over?), run the pipeline, publish the dataset."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import zarr
+
+from batchctl import __version__
+from batchctl import format as fmt
+from batchctl import staging
+from batchctl.collate import CollatorConfig, Rejected
+from batchctl.discover import Discovery, discover
+from batchctl.errors import BuildFailed, BuildInterrupted, FormatError, ResumeMismatchError, UsageError
+from batchctl.pipeline import Pipeline, PipelineConfig, PipelineError, Signalled, signals_raise
+from batchctl.preprocess import Preprocessor, resolve
+from batchctl.progress import Progress
+from batchctl.report import BuildReport, FileError
+from batchctl.staging import BuildLock, BuildPaths
+from batchctl.workers import Task, TaskResult
+
+
+def default_workers() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """Everything `batchctl build` takes besides SOURCE and OUTPUT."""
+
+    batch_size: int = 64
+    workers: int = field(default_factory=default_workers)
+    preprocess: str = "image"
+    preprocess_options: Mapping[str, Any] = field(default_factory=dict)
+    seed: int | None = None
+    shard_batches: int | None = None
+    compression: str = "zstd"
+    max_errors: int | None = None
+    resume: bool = True
+    force: bool = False
+
+    def __post_init__(self) -> None:
+        _positive("batch_size", self.batch_size)
+        _positive("workers", self.workers)
+        if self.shard_batches is not None:
+            _positive("shard_batches", self.shard_batches)
+        if self.max_errors is not None and self.max_errors < 0:
+            raise UsageError(f"Expected max_errors >= 0, got {self.max_errors} instead.")
+        try:
+            fmt.parse_compression(self.compression)
+        except FormatError as exc:
+            raise UsageError(str(exc)) from None
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or value < 1:
+        raise UsageError(f"Expected {name} to be a positive integer, got {value!r} instead.")
+
+
+def dataset_spec(options: BuildOptions, preprocessor: Preprocessor, pp_options: Mapping[str, Any]) -> dict[str, Any]:
+    """The options that decide what the dataset holds: a change to any of them means a rebuild."""
+    return {
+        "format_version": fmt.FORMAT_VERSION,
+        "batch_size": options.batch_size,
+        "shard_batches": options.shard_batches,
+        "compression": options.compression,
+        "preprocess": {"name": preprocessor.name, "options": dict(pp_options)},
+    }
+
+
+def build(
+    source: str | os.PathLike[str], output: str | os.PathLike[str], progress: Progress | None = None, **options: Any
+) -> BuildReport:
+    """Preprocess every file under `source` into the sharded dataset `output`.
+
+    Returns the report of a complete (or already up-to-date) build; raises `BuildFailed` or
+    `BuildInterrupted`, both carrying the report, when it ends otherwise.
+    """
+    opts = BuildOptions(**options)
+    builder = _Builder(Path(source).absolute(), Path(output).absolute(), opts, progress or Progress())
+    return builder.run()
+
+
+class _Builder:
+    def __init__(self, source: Path, output: Path, options: BuildOptions, progress: Progress) -> None:
+        self.source, self.output, self.options, self.progress = source, output, options, progress
+        self.preprocessor = resolve(options.preprocess)
+        self.pp_options = self.preprocessor.options(options.preprocess_options)
+        self.spec = dataset_spec(options, self.preprocessor, self.pp_options)
+        self.paths = BuildPaths(output)
+        self.report = BuildReport(str(source), str(output))
+        self.started = time.monotonic()
+        self.new_samples = 0
+
+    def run(self) -> BuildReport:
+        if not self.output.parent.is_dir():
+            raise UsageError(f"OUTPUT's folder {self.output.parent} does not exist.")
+        staging.check_replaceable(self.output)
+        with BuildLock(self.paths.lock), signals_raise():
+            try:
+                return self._run_locked()
+            except Signalled as sig:
+                self._end("interrupted", "interrupted; rerun the same command to resume")
+                raise BuildInterrupted(sig.signum, self.report) from None
+            except (PipelineError, OSError) as exc:
+                text = str(exc) if isinstance(exc, PipelineError) else _os_error_text(exc)
+                self._end("failed", text)
+                raise BuildFailed(text, self.report) from None
+            except BuildFailed as exc:
+                self._end("failed", str(exc))
+                raise
+
+    def _run_locked(self) -> BuildReport:
+        discovery = discover(self.source, self.preprocessor.accepts, self.options.seed)
+        self.report.ignored = discovery.ignored
+        fingerprint = discovery.fingerprint([self.spec, discovery.classes])
+        if not self.options.force and self._up_to_date(fingerprint):
+            return self._end("up_to_date")
+        if not discovery.items:
+            raise BuildFailed(
+                f"nothing to build: no file under {self.source} is taken by the {self.preprocessor.name!r} "
+                f"preprocessor ({', '.join(self.preprocessor.extensions or ('any',))})",
+                self.report,
+            )
+        tasks = self._plan(discovery)
+        for relpath, reason in discovery.unreadable:
+            self._error(relpath, reason)
+        self.progress.start(len(discovery.items), self.report.resumed_shards * self._shard_batches_on_disk())
+        config = PipelineConfig(
+            self.preprocessor,
+            self.pp_options,
+            self.source,
+            self.options.workers,
+            CollatorConfig(
+                dataset=self.paths.staging,
+                journal=self.paths.journal,
+                batch_size=self.options.batch_size,
+                shard_batches=self.options.shard_batches,
+                compression=self.options.compression,
+                labelled=discovery.classes is not None,
+                resume_shards=self.report.resumed_shards,
+            ),
+        )
+        for _ in range(len(discovery.items) - len(tasks)):
+            self.progress.file_done()
+        finished = Pipeline(config, self.progress, self._on_result, self._on_rejected).run(tasks)
+        self.progress.close()
+        if finished.samples == 0:
+            raise BuildFailed(f"no samples were produced: all {len(discovery.items)} files were skipped", self.report)
+        self._publish(discovery, fingerprint, finished.samples, finished.shards, finished.shard_batches, finished.schema)
+        self.report.samples = finished.samples
+        self.report.batches = fmt.num_batches(finished.samples, self.options.batch_size)
+        self.report.shards = finished.shards
+        self.report.bytes = _tree_bytes(self.output)
+        return self._end("complete")
+
+    def _up_to_date(self, fingerprint: str) -> bool:
+        try:
+            _, attrs = fmt.open_group(self.output)
+        except Exception:  # noqa: BLE001 - anything unreadable is simply not up to date
+            return False
+        if attrs.fingerprint != fingerprint:
+            return False
+        self.report.samples, self.report.batches, self.report.shards = attrs.num_samples, attrs.num_batches, attrs.num_shards
+        self.report.bytes = _tree_bytes(self.output)
+        return True
+
+    def _plan(self, discovery: Discovery) -> list[Task]:
+        """Resume an interrupted build of the same options, or start a fresh staging dataset."""
+        state = staging.read_state(self.paths)
+        if state is not None and self.options.resume:
+            if state.get("spec") != self.spec or state.get("source") != str(self.source):
+                raise ResumeMismatchError(_mismatch_text(state, self.spec, str(self.source)))
+            tasks = self._resume(discovery, state)
+            if tasks is not None:
+                return tasks
+        staging.discard(self.paths)
+        self.paths.workdir.mkdir()
+        group = zarr.open_group(str(self.paths.staging), mode="w")
+        fmt.write_attrs(group, self._attrs(discovery, "", 0, 0, self.options.shard_batches or 0, {}, complete=False))
+        staging.write_state(self.paths, {"spec": self.spec, "source": str(self.source), "classes": discovery.classes})
+        return [Task(item) for item in discovery.items]
+
+    def _resume(self, discovery: Discovery, state: Mapping[str, Any]) -> list[Task] | None:
+        """Tasks still to do after an interrupted run, or None when it cannot be trusted."""
+        if state.get("classes") != discovery.classes:
+            self.progress.info("the class folders changed since the interrupted build; starting over")
+            return None
+        shards = staging.read_journal(self.paths)
+        written: dict[str, list[Any]] = {}
+        for shard in shards:
+            for relpath, count, finished, size, mtime_ns in shard["files"]:
+                entry = written.setdefault(relpath, [0, False, size, mtime_ns])
+                entry[0] += count
+                entry[1] = entry[1] or finished
+        current = {item.relpath: item for item in discovery.items}
+        for relpath, (_, _, size, mtime_ns) in written.items():
+            item = current.get(relpath)
+            if item is None or (item.size, item.mtime_ns) != (size, mtime_ns):
+                self.progress.info(f"{relpath} changed or vanished since the interrupted build; starting over")
+                return None
+        group = zarr.open_group(str(self.paths.staging), mode="r+")
+        arrays = fmt.open_arrays(group)
+        if arrays:
+            source = arrays[fmt.SOURCE]
+            layout = fmt.Layout(source.chunks[0], source.shards[0] // source.chunks[0])  # type: ignore[index]
+            fmt.truncate(arrays, layout, self.paths.staging, len(shards))
+        staging.rewrite_journal(self.paths, shards)
+        self.report.resumed_shards = len(shards)
+        if shards:
+            self.progress.info(f"resuming: {len(shards)} shards kept from the interrupted build")
+        return [
+            Task(item, skip=written[item.relpath][0] if item.relpath in written else 0)
+            for item in discovery.items
+            if not (item.relpath in written and written[item.relpath][1])
+        ]
+
+    def _shard_batches_on_disk(self) -> int:
+        try:
+            source = zarr.open_array(str(self.paths.staging / fmt.SOURCE), mode="r")
+        except Exception:  # noqa: BLE001 - no arrays yet
+            return 0
+        return int(source.shards[0] // source.chunks[0])  # type: ignore[index]
+
+    def _on_result(self, result: TaskResult) -> None:
+        self.report.processed += 1
+        self.new_samples += result.samples
+        if result.error is not None:
+            self._error(result.task.item.relpath, result.error)
+
+    def _on_rejected(self, event: Rejected) -> None:
+        self.new_samples -= event.samples
+        self._error(event.source, event.error)
+
+    def _error(self, relpath: str, reason: str) -> None:
+        self.report.errors.append(FileError(relpath, reason))
+        self.progress.error(relpath, reason)
+        limit = self.options.max_errors
+        if limit is not None and len(self.report.errors) > limit:
+            raise BuildFailed(f"more than {limit} files were skipped with errors (--max-errors {limit})", self.report)
+
+    def _attrs(
+        self, discovery: Discovery, fingerprint: str, samples: int, shards: int, shard_batches: int,
+        schema: dict[str, dict[str, Any]], complete: bool,
+    ) -> fmt.DatasetAttrs:
+        return fmt.DatasetAttrs(
+            batch_size=self.options.batch_size,
+            shard_batches=shard_batches,
+            fields=schema,
+            classes=discovery.classes,
+            preprocess=self.spec["preprocess"],
+            compression=self.options.compression,
+            batchctl_version=__version__,
+            created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            source=str(self.source),
+            fingerprint=fingerprint,
+            complete=complete,
+            num_samples=samples,
+            num_batches=fmt.num_batches(samples, self.options.batch_size),
+            num_shards=shards,
+            errors=len(self.report.errors),
+            ignored=discovery.ignored,
+        )
+
+    def _publish(
+        self, discovery: Discovery, fingerprint: str, samples: int, shards: int, shard_batches: int,
+        schema: dict[str, dict[str, Any]],
+    ) -> None:
+        """Mark the staging dataset complete (its last write), then move it into place."""
+        group = zarr.open_group(str(self.paths.staging), mode="r+")
+        fmt.write_attrs(group, self._attrs(discovery, fingerprint, samples, shards, shard_batches, schema, complete=True))
+        staging.move_into_place(self.paths)
+
+    def _end(self, status: Any, message: str = "") -> BuildReport:
+        self.progress.close()
+        self.report.status = status
+        self.report.message = message
+        self.report.elapsed_s = round(time.monotonic() - self.started, 3)
+        self.report.samples_per_s = round(self.new_samples / max(self.report.elapsed_s, 1e-9), 1)
+        if status in ("interrupted", "failed"):
+            self.report.samples = self.new_samples
+        return self.report
+
+
+def _mismatch_text(state: Mapping[str, Any], spec: Mapping[str, Any], source: str) -> str:
+    old = {**state.get("spec", {}), "source": state.get("source")}
+    new = {**spec, "source": source}
+    diffs = [f"{key} was {old.get(key)!r}, now {new.get(key)!r}" for key in new if old.get(key) != new.get(key)]
+    return (
+        "an interrupted build of this output used other options ("
+        + "; ".join(diffs)
+        + "): rerun with the same options to resume, or pass --no-resume to start over"
+    )
+
+
+def _os_error_text(exc: OSError) -> str:
+    where = f" ({exc.filename})" if exc.filename else ""
+    return f"{exc.strerror or exc}{where}"
+
+
+def _tree_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())

@@ -1,0 +1,133 @@
+"""The `batchctl` command: a thin layer that parses options, calls the library, prints, exits.
+
+Exit codes: 0 success (or up to date), 1 failed build or bad dataset, 2 usage error,
+130 interrupted by SIGINT (Ctrl-C), 143 terminated by SIGTERM.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any, NoReturn, Optional
+
+import typer
+
+from batchctl import __version__
+from batchctl.errors import BatchctlError, BuildFailed, BuildInterrupted, UsageError
+from batchctl.progress import ConsoleProgress
+from batchctl.report import BuildReport
+
+EXIT_CODES = """Exit codes: 0 success or up to date; 1 failed build; 2 usage error;
+130 interrupted (SIGINT); 143 terminated (SIGTERM)."""
+
+app = typer.Typer(
+    help="Preprocess a folder of files once, offline, into sharded Zarr v3 batches.\n\n" + EXIT_CODES,
+    pretty_exceptions_enable=False,
+    no_args_is_help=True,
+    add_completion=False,
+)
+
+
+def _fail(message: str, code: int) -> NoReturn:
+    typer.echo(f"batchctl: error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def _parse_option(text: str) -> tuple[str, Any]:
+    """`key=value` with value read as JSON when it parses (numbers, true/false), else as text."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise UsageError(f"Expected --option key=value, got {text!r} instead.")
+    try:
+        return key, json.loads(raw)
+    except ValueError:
+        return key, raw
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"batchctl {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """batchctl: preprocess once, train from ready batches."""
+
+
+@app.command(epilog=EXIT_CODES)
+def build(
+    source: Annotated[Path, typer.Argument(help="Folder of input files, walked recursively (hidden files ignored).")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Where to write the Zarr v3 dataset.")],
+    batch_size: Annotated[int, typer.Option(help="Samples per batch (= rows per chunk).", min=1)] = 64,
+    workers: Annotated[Optional[int], typer.Option(help="Preprocessing processes [default: all cores].", min=1)] = None,
+    preprocess: Annotated[str, typer.Option(help="Preprocessor: image.")] = "image",
+    resize: Annotated[Optional[int], typer.Option(help="image: shorter side after resizing [default: 256].", min=1)] = None,
+    crop: Annotated[Optional[int], typer.Option(help="image: side of the centre crop [default: 224].", min=1)] = None,
+    layout: Annotated[Optional[str], typer.Option(help="image: pixel layout hwc or chw [default: hwc].")] = None,
+    option: Annotated[Optional[list[str]], typer.Option("--option", help="Preprocessor option key=value (repeatable).")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="Shuffle the order files are dispatched in.")] = None,
+    shard_batches: Annotated[Optional[int], typer.Option(help="Batches per shard file [default: ~128 MiB].", min=1)] = None,
+    compression: Annotated[str, typer.Option(help="zstd, blosc or none (every chunk is checksummed).")] = "zstd",
+    strict: Annotated[bool, typer.Option(help="Fail the build on any skipped file (= --max-errors 0).")] = False,
+    max_errors: Annotated[Optional[int], typer.Option(help="Fail once more than N files were skipped.", min=0)] = None,
+    resume: Annotated[bool, typer.Option(help="Resume an interrupted build of OUTPUT.")] = True,
+    force: Annotated[bool, typer.Option(help="Rebuild even when OUTPUT is up to date.")] = False,
+    report: Annotated[Optional[Path], typer.Option(help="Write a JSON report of the build here.")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only errors.")] = False,
+) -> None:
+    """Preprocess every file under SOURCE into batches and write them to OUTPUT."""
+    progress = ConsoleProgress(quiet=quiet)
+    options: dict[str, Any] = {
+        "batch_size": batch_size,
+        "preprocess": preprocess,
+        "seed": seed,
+        "shard_batches": shard_batches,
+        "compression": compression,
+        "max_errors": 0 if strict else max_errors,
+        "resume": resume,
+        "force": force,
+    }
+    if workers is not None:
+        options["workers"] = workers
+    try:
+        pp_options = dict(_parse_option(text) for text in option or [])
+        for key, value in (("resize", resize), ("crop", crop), ("layout", layout)):
+            if value is not None:
+                pp_options[key] = value
+        options["preprocess_options"] = pp_options
+        from batchctl.build import build as run_build
+
+        result = run_build(source, output, progress=progress, **options)
+    except BuildInterrupted as exc:
+        _finish(exc.report, report, quiet)
+        typer.echo("batchctl: interrupted; rerun the same command to resume.", err=True)
+        raise typer.Exit(128 + exc.signum) from None
+    except BuildFailed as exc:
+        _finish(exc.report, report, quiet)
+        _fail(str(exc), 1)
+    except UsageError as exc:
+        _fail(str(exc), 2)
+    except BatchctlError as exc:
+        _fail(str(exc), 1)
+    _finish(result, report, quiet)
+
+
+def _finish(result: BuildReport, report_path: Path | None, quiet: bool) -> None:
+    if report_path is not None:
+        result.write(report_path)
+    if not quiet:
+        typer.echo(result.summary(), err=True)
+
+
+def run() -> None:
+    """Console-script entry point."""
+    try:
+        app()
+    except KeyboardInterrupt:  # Ctrl-C outside a build (e.g. while parsing): no traceback
+        sys.exit(130)

@@ -1,0 +1,219 @@
+"""Collate: the collator process assembles samples into batches and writes whole shards.
+
+It is the only writer of the dataset's arrays, so every shard is written once, aligned and whole.
+After each full shard it fsyncs the shard files and appends a line to the journal, which is what
+a resumed build trusts. The first sample fixes the schema; samples that do not fit are rejected
+with the field and both shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from multiprocessing.queues import Queue
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zarr
+
+from batchctl import format as fmt
+from batchctl.preprocess import Sample
+from batchctl.workers import TaskOutput, describe_error, ignore_interrupts
+
+
+@dataclass(frozen=True)
+class CollatorConfig:
+    dataset: Path
+    journal: Path
+    batch_size: int
+    shard_batches: int | None
+    compression: str
+    labelled: bool
+    resume_shards: int = 0
+
+
+@dataclass(frozen=True)
+class End:
+    """Sent by the parent once all results are in: the collator stops after `tasks` task outputs."""
+
+    tasks: int
+
+
+@dataclass(frozen=True)
+class ShardWritten:
+    index: int
+    rows: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Rejected:
+    source: str
+    error: str
+    samples: int
+
+
+@dataclass(frozen=True)
+class Finished:
+    samples: int
+    shards: int
+    nbytes: int
+    shard_batches: int
+    schema: dict[str, dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Crashed:
+    message: str
+
+
+Event = ShardWritten | Rejected | Finished | Crashed
+
+
+def check_schema(schema: fmt.Schema, sample: Sample) -> str | None:
+    """Why `sample` does not fit `schema`, or None when it does."""
+    if set(sample) != set(schema):
+        return f"fields {', '.join(sorted(sample))} differ from the dataset's {', '.join(sorted(schema))}"
+    for name, value in sample.items():
+        got, want = fmt.FieldSpec.of(value), schema[name]
+        if got != want:
+            return f"field {name!r} is {got.shape} {got.dtype}, the dataset's is {want.shape} {want.dtype}"
+    return None
+
+
+@dataclass
+class _Shard:
+    """Rows of the shard being filled, preallocated, plus the journal entries describing them."""
+
+    columns: dict[str, np.ndarray]
+    sources: list[str] = field(default_factory=list)
+    entries: list[list[Any]] = field(default_factory=list)
+
+    @property
+    def rows(self) -> int:
+        return len(self.sources)
+
+
+class Collator:
+    def __init__(self, config: CollatorConfig, events: Queue[Event]) -> None:
+        self.config = config
+        self.events = events
+        self.group = zarr.open_group(str(config.dataset), mode="r+")
+        self.arrays = fmt.open_arrays(self.group)
+        self.schema: fmt.Schema | None = None
+        self.layout: fmt.Layout | None = None
+        self.shard_index = config.resume_shards
+        self.nbytes = 0
+        self.shard: _Shard | None = None
+        if self.arrays:
+            self._adopt_existing()
+
+    def _adopt_existing(self) -> None:
+        """Resume: continue the arrays an interrupted run created."""
+        self.schema = {
+            name: fmt.FieldSpec(tuple(arr.shape[1:]), arr.dtype.name)
+            for name, arr in self.arrays.items()
+            if name not in fmt.RESERVED_FIELDS
+        }
+        shard_rows = self.arrays[fmt.SOURCE].shards[0]  # type: ignore[index]
+        self.layout = fmt.Layout(self.config.batch_size, shard_rows // self.config.batch_size)
+        self.shard = self._new_shard()
+
+    def _start(self, sample: Sample) -> None:
+        self.schema = {name: fmt.FieldSpec.of(value) for name, value in sample.items()}
+        shard_batches = self.config.shard_batches or fmt.default_shard_batches(self.config.batch_size, self.schema)
+        self.layout = fmt.Layout(self.config.batch_size, shard_batches)
+        self.arrays = fmt.create_arrays(self.group, self.schema, self.layout, self.config.compression, self.config.labelled)
+        self.shard = self._new_shard()
+
+    def _new_shard(self) -> _Shard:
+        assert self.schema is not None and self.layout is not None
+        rows = self.layout.shard_rows
+        columns = {name: np.empty((rows, *spec.shape), spec.dtype) for name, spec in self.schema.items()}
+        columns[fmt.SOURCE_INDEX] = np.empty(rows, np.int64)
+        if self.config.labelled:
+            columns[fmt.LABEL] = np.empty(rows, np.int64)
+        return _Shard(columns)
+
+    def add(self, output: TaskOutput) -> None:
+        item = output.task.item
+        if self.schema is None:
+            self._start(output.samples[0])
+        assert self.schema is not None and self.layout is not None and self.shard is not None
+        for sample in output.samples:
+            reason = check_schema(self.schema, sample)
+            if reason:
+                self.events.put(Rejected(item.relpath, reason, len(output.samples)))
+                return
+        in_shard = 0
+        for offset, sample in enumerate(output.samples):
+            row = self.shard.rows
+            for name, value in sample.items():
+                self.shard.columns[name][row] = value
+            self.shard.columns[fmt.SOURCE_INDEX][row] = output.task.skip + offset
+            if self.config.labelled:
+                self.shard.columns[fmt.LABEL][row] = item.label
+            self.shard.sources.append(item.relpath)
+            in_shard += 1
+            if self.shard.rows == self.layout.shard_rows:
+                finished = offset == len(output.samples) - 1
+                self.shard.entries.append([item.relpath, in_shard, finished, item.size, item.mtime_ns])
+                in_shard = 0
+                self._write(journal=True)
+        if in_shard:
+            self.shard.entries.append([item.relpath, in_shard, True, item.size, item.mtime_ns])
+
+    def _write(self, journal: bool) -> None:
+        assert self.layout is not None and self.shard is not None
+        shard = self.shard
+        columns = {name: col[: shard.rows] for name, col in shard.columns.items()}
+        columns[fmt.SOURCE] = np.array(shard.sources, dtype=object)
+        fmt.write_shard(self.arrays, self.layout, self.shard_index, columns)
+        files = fmt.shard_files(self.config.dataset, list(self.arrays), self.shard_index)
+        fmt.fsync_paths(files)
+        written = sum(path.stat().st_size for path in files)
+        self.nbytes += written
+        if journal:
+            self._journal(shard)
+        self.events.put(ShardWritten(self.shard_index, shard.rows, written))
+        self.shard_index += 1
+        self.shard = self._new_shard()
+
+    def _journal(self, shard: _Shard) -> None:
+        line = json.dumps({"shard": self.shard_index, "rows": shard.rows, "files": shard.entries})
+        with open(self.config.journal, "a", encoding="utf-8") as journal:
+            journal.write(line + "\n")
+            journal.flush()
+            os.fsync(journal.fileno())
+
+    def finish(self) -> Finished:
+        if self.shard is not None and self.shard.rows:
+            self._write(journal=False)
+        samples = self.arrays[fmt.SOURCE].shape[0] if self.arrays else 0
+        schema = {name: spec.to_json() for name, spec in (self.schema or {}).items()}
+        shard_batches = self.layout.shard_batches if self.layout else 0
+        return Finished(samples, self.shard_index, self.nbytes, shard_batches, schema)
+
+
+def run_collator(config: CollatorConfig, inbox: Queue[Any], events: Queue[Event]) -> None:
+    """Process entry point: collate until the parent's End and every task output it counts arrived."""
+    ignore_interrupts()
+    try:
+        collator = Collator(config, events)
+        received, expected = 0, None
+        while expected is None or received < expected:
+            message = inbox.get()
+            if isinstance(message, End):
+                expected = message.tasks
+            else:
+                collator.add(message)
+                received += 1
+        events.put(collator.finish())
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails the build
+        events.put(Crashed(f"the collator failed writing {config.dataset}: {describe_error(exc)}"))
+        events.close()
+        events.join_thread()
+        sys.exit(1)

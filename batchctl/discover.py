@@ -1,0 +1,112 @@
+"""Discover: walk SOURCE into work items, class labels and an input fingerprint."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from batchctl.errors import UsageError
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    """One input file: its path relative to SOURCE (with `/`), its label and its stat stamp."""
+
+    relpath: str
+    label: int
+    size: int
+    mtime_ns: int
+
+
+@dataclass
+class Discovery:
+    items: list[WorkItem]
+    classes: list[str] | None
+    ignored: int = 0
+    unreadable: list[tuple[str, str]] = field(default_factory=list)
+
+    def fingerprint(self, options: object) -> str:
+        """Changes when any input path, size or mtime changes, or the options do."""
+        digest = hashlib.sha256(repr(options).encode())
+        for item in sorted(self.items, key=lambda it: it.relpath):
+            digest.update(f"{item.relpath}\0{item.size}\0{item.mtime_ns}\n".encode())
+        return digest.hexdigest()
+
+
+def walk_files(root: Path) -> Iterable[tuple[str, os.stat_result | OSError]]:
+    """Non-hidden files under `root`, recursively, in sorted order, following directory symlinks
+    once each (a symlink loop is reported, never followed twice)."""
+    seen: set[tuple[int, int]] = set()
+
+    def visit(directory: Path, prefix: str) -> Iterable[tuple[str, os.stat_result | OSError]]:
+        try:
+            st = directory.stat()
+        except OSError as exc:
+            yield prefix.rstrip("/") or ".", exc
+            return
+        if (st.st_dev, st.st_ino) in seen:
+            yield prefix.rstrip("/"), OSError(f"symlink loop: {prefix.rstrip('/')} leads back to a folder already walked")
+            return
+        seen.add((st.st_dev, st.st_ino))
+        try:
+            entries = sorted(os.scandir(directory), key=lambda e: e.name)
+        except OSError as exc:
+            yield prefix.rstrip("/") or ".", exc
+            return
+        for entry in entries:
+            if entry.name.startswith("."):
+                continue
+            rel = prefix + entry.name
+            try:
+                is_dir = entry.is_dir()
+            except OSError:
+                is_dir = False
+            if is_dir:
+                yield from visit(Path(entry.path), rel + "/")
+                continue
+            try:
+                yield rel, entry.stat()
+            except OSError as exc:
+                yield rel, exc
+
+    yield from visit(root, "")
+
+
+def discover(
+    source: Path, accepts: Callable[[str], bool], seed: int | None = None
+) -> Discovery:
+    """Files `accepts` takes become work items; the rest are counted as ignored.
+
+    With class sub-folders the first path component names the class (sorted, numbered from 0)
+    and files lying directly in SOURCE, having no class, are ignored; a flat folder has no labels.
+    """
+    if not source.is_dir():
+        raise UsageError(f"SOURCE {source} is not a folder.")
+    found: list[tuple[str, int, int]] = []
+    ignored = 0
+    unreadable: list[tuple[str, str]] = []
+    for rel, stat in walk_files(source):
+        if not accepts(rel):
+            ignored += 1
+        elif isinstance(stat, OSError):
+            unreadable.append((rel, stat.strerror or str(stat)))
+        else:
+            found.append((rel, stat.st_size, stat.st_mtime_ns))
+    nested = sorted({rel.split("/", 1)[0] for rel, _, _ in found if "/" in rel})
+    classes = nested or None
+    class_ids = {name: i for i, name in enumerate(nested)}
+    items = []
+    for rel, size, mtime_ns in found:
+        if classes is None:
+            items.append(WorkItem(rel, -1, size, mtime_ns))
+        elif "/" in rel:
+            items.append(WorkItem(rel, class_ids[rel.split("/", 1)[0]], size, mtime_ns))
+        else:
+            ignored += 1
+    if seed is not None:
+        random.Random(seed).shuffle(items)
+    return Discovery(items, classes, ignored, unreadable)

@@ -1,0 +1,49 @@
+"""One error hierarchy: the library raises these, only the CLI prints them and picks exit codes."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from batchctl.report import BuildReport
+
+
+class BatchctlError(Exception):
+    """Base of every error batchctl raises for a user's mistake or a failed build."""
+
+
+class UsageError(BatchctlError, ValueError):
+    """Bad options or arguments, found before any work starts (CLI exit code 2)."""
+
+
+class FormatError(BatchctlError, ValueError):
+    """A path is not a batchctl dataset, or its metadata breaks docs/format.md."""
+
+
+class IncompleteDatasetError(BatchctlError):
+    """The dataset was not finished: reading it would give a partial result."""
+
+
+class LockedError(BatchctlError):
+    """Another live build holds the output's lock."""
+
+
+class ResumeMismatchError(UsageError):
+    """An interrupted build was started with other options than the ones given now."""
+
+
+class BuildFailed(BatchctlError):
+    """The build ended without a complete dataset; `report` says how far it got."""
+
+    def __init__(self, message: str, report: BuildReport) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+class BuildInterrupted(BatchctlError):
+    """SIGINT or SIGTERM stopped the build; what was written durably is kept for resuming."""
+
+    def __init__(self, signum: int, report: BuildReport) -> None:
+        super().__init__(f"interrupted by signal {signum}")
+        self.signum = signum
+        self.report = report

@@ -1,0 +1,71 @@
+"""The default image preprocessing: torchvision's Resize(resize) + CenterCrop(crop), uint8.
+
+EXIF orientation is applied (the image is stored upright, as every viewer shows it); torchvision's
+reference does not do this, so only EXIF-rotated photos differ from it. JPEGs are decoded with
+Pillow's draft mode at the smallest DCT scale that still leaves at least `DRAFT_MARGIN` times the
+target size, which is several times faster for big photos and stays well within the accuracy
+bound (mean absolute difference <= 3 grey levels; tests/test_image.py measures it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageOps
+
+from batchctl.preprocess import Preprocessor
+
+EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+DRAFT_MARGIN = 2
+
+
+def resized_size(width: int, height: int, resize: int) -> tuple[int, int]:
+    """torchvision's rule: the shorter side becomes `resize`, the longer `int(resize * long / short)`."""
+    if width <= height:
+        return resize, int(resize * height / width)
+    return int(resize * width / height), resize
+
+
+def center_crop(pixels: np.ndarray, crop: int) -> np.ndarray:
+    """torchvision's CenterCrop: `top = round((h - crop) / 2)`, zero padding when the image is smaller."""
+    height, width = pixels.shape[:2]
+    if height < crop or width < crop:
+        pad_h, pad_w = max(crop - height, 0), max(crop - width, 0)
+        pixels = np.pad(
+            pixels,
+            ((pad_h // 2, pad_h - pad_h // 2), (pad_w // 2, pad_w - pad_w // 2), (0, 0)),
+        )
+        height, width = pixels.shape[:2]
+    top = int(round((height - crop) / 2.0))
+    left = int(round((width - crop) / 2.0))
+    return pixels[top : top + crop, left : left + crop]
+
+
+def load_resized(path: Path, resize: int, draft: bool = True) -> Image.Image:
+    """Decode, orient and resize one image to the shorter side `resize`, in RGB."""
+    with Image.open(path) as img:
+        target = resized_size(img.width, img.height, resize)
+        if draft and img.format == "JPEG":
+            img.draft("RGB", (target[0] * DRAFT_MARGIN, target[1] * DRAFT_MARGIN))
+        oriented = ImageOps.exif_transpose(img)
+        rgb = oriented.convert("RGB")
+    target = resized_size(rgb.width, rgb.height, resize)
+    return rgb.resize(target, Image.Resampling.BILINEAR)
+
+
+def preprocess_image(
+    path: Path, resize: int = 256, crop: int = 224, layout: str = "hwc", draft: bool = True
+) -> dict[str, np.ndarray]:
+    pixels = center_crop(np.asarray(load_resized(path, resize, draft)), crop)
+    if layout == "chw":
+        pixels = pixels.transpose(2, 0, 1)
+    return {"image": np.ascontiguousarray(pixels)}
+
+
+PREPROCESSOR = Preprocessor(
+    name="image",
+    fn=preprocess_image,
+    extensions=EXTENSIONS,
+    defaults={"resize": 256, "crop": 224, "layout": "hwc", "draft": True},
+)

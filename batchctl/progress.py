@@ -1,0 +1,92 @@
+"""Progress display: tqdm bars on a terminal, a short log line every few seconds otherwise.
+
+The library reports progress through this small interface and never prints by itself; the CLI
+hands `build()` a `ConsoleProgress`.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import TextIO
+
+from tqdm import tqdm
+
+LOG_INTERVAL_S = 5.0
+
+
+class Progress:
+    """Silent progress: the default for code that calls `build()`."""
+
+    def start(self, files: int, batches_done: int) -> None: ...
+
+    def file_done(self) -> None: ...
+
+    def batches_written(self, batches: int) -> None: ...
+
+    def error(self, source: str, reason: str) -> None: ...
+
+    def info(self, text: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class ConsoleProgress(Progress):
+    def __init__(self, quiet: bool = False, stream: TextIO | None = None) -> None:
+        self.stream = stream or sys.stderr
+        self.quiet = quiet
+        self.bars = not quiet and self.stream.isatty()
+        self.files: tqdm | None = None
+        self.batches: tqdm | None = None
+        self.total = self.done = self.batch_count = 0
+        self.started = self.last_log = time.monotonic()
+
+    def start(self, files: int, batches_done: int) -> None:
+        self.total, self.batch_count = files, batches_done
+        self.started = self.last_log = time.monotonic()
+        if self.bars:
+            self.files = tqdm(total=files, desc="preprocess", unit="file", file=self.stream, dynamic_ncols=True)
+            self.batches = tqdm(initial=batches_done, desc="write", unit="batch", file=self.stream, dynamic_ncols=True)
+
+    def file_done(self) -> None:
+        self.done += 1
+        if self.files is not None:
+            self.files.update()
+        else:
+            self._maybe_log()
+
+    def batches_written(self, batches: int) -> None:
+        self.batch_count += batches
+        if self.batches is not None:
+            self.batches.update(batches)
+
+    def _maybe_log(self) -> None:
+        now = time.monotonic()
+        if self.quiet or now - self.last_log < LOG_INTERVAL_S:
+            return
+        self.last_log = now
+        rate = self.done / max(now - self.started, 1e-9)
+        eta = (self.total - self.done) / rate if rate else float("inf")
+        self._write(
+            f"batchctl: {self.done}/{self.total} files ({rate:.1f}/s, ETA {eta:.0f} s), "
+            f"{self.batch_count} batches written"
+        )
+
+    def error(self, source: str, reason: str) -> None:
+        self._write(f"skipped {source}: {reason}")
+
+    def info(self, text: str) -> None:
+        if not self.quiet:
+            self._write(text)
+
+    def _write(self, text: str) -> None:
+        if self.files is not None:
+            tqdm.write(text, file=self.stream)
+        else:
+            print(text, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        for bar in (self.files, self.batches):
+            if bar is not None:
+                bar.close()
+        self.files = self.batches = None

@@ -1,0 +1,64 @@
+"""The build report: what a run did, as returned by `build()` and written by `--report`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+Status = Literal["complete", "up_to_date", "interrupted", "failed"]
+
+
+@dataclass(frozen=True)
+class FileError:
+    source: str
+    error: str
+
+
+@dataclass
+class BuildReport:
+    source: str
+    output: str
+    status: Status = "failed"
+    samples: int = 0
+    batches: int = 0
+    shards: int = 0
+    bytes: int = 0
+    processed: int = 0
+    resumed_shards: int = 0
+    errors: list[FileError] = field(default_factory=list)
+    ignored: int = 0
+    elapsed_s: float = 0.0
+    samples_per_s: float = 0.0
+    message: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def write(self, path: Path) -> None:
+        path.write_text(json.dumps(self.to_json(), indent=2) + "\n", encoding="utf-8")
+
+    def summary(self) -> str:
+        """The one-paragraph summary printed at the end of a build."""
+        if self.status == "up_to_date":
+            return f"{self.output} is up to date ({self.samples} samples); nothing to do."
+        verb = {"complete": "Built", "interrupted": "Interrupted", "failed": "Failed"}[self.status]
+        text = (
+            f"{verb} {self.output}: {self.samples} samples in {self.batches} batches, "
+            f"{self.shards} shards, {_size(self.bytes)}; {self.processed} files preprocessed"
+        )
+        if self.resumed_shards:
+            text += f" ({self.resumed_shards} shards kept from an interrupted run)"
+        text += f", {len(self.errors)} skipped with errors, {self.ignored} ignored; "
+        text += f"{self.elapsed_s:.1f} s, {self.samples_per_s:.1f} samples/s."
+        return text
+
+
+def _size(nbytes: int) -> str:
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.1f} {unit}" if unit != "B" else f"{nbytes} B"
+        value /= 1024
+    return f"{value:.1f} TiB"

@@ -1,0 +1,176 @@
+"""Where a build writes before its dataset is complete, and how it gets into place.
+
+For OUTPUT `dir/data.zarr` a build works in `dir/.data.zarr.batchctl/` (the staging dataset,
+its journal and the options it was started with) and holds `dir/.data.zarr.batchctl.lock`.
+Only a complete dataset is moved to OUTPUT, by one atomic rename (an atomic exchange when an
+older dataset is there), so readers see the old dataset or the new one, never a half-built one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from batchctl.errors import LockedError, UsageError
+
+RENAME_EXCHANGE = 2
+
+
+@dataclass(frozen=True)
+class BuildPaths:
+    output: Path
+
+    @property
+    def workdir(self) -> Path:
+        return self.output.parent / f".{self.output.name}.batchctl"
+
+    @property
+    def staging(self) -> Path:
+        return self.workdir / "staging.zarr"
+
+    @property
+    def journal(self) -> Path:
+        return self.workdir / "journal.jsonl"
+
+    @property
+    def state(self) -> Path:
+        return self.workdir / "state.json"
+
+    @property
+    def lock(self) -> Path:
+        return self.output.parent / f".{self.output.name}.batchctl.lock"
+
+
+class BuildLock:
+    """An flock on the lock file: the kernel drops it when the holder dies, so a lock left by a
+    killed build is simply taken over. The file records the holder's pid for the message."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd: int | None = None
+
+    def acquire(self) -> BuildLock:
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                raise LockedError(
+                    f"another build of this output is running (process {holder} holds {self.path}); "
+                    "wait for it to finish or stop it."
+                ) from None
+            if os.path.exists(self.path) and os.stat(self.path).st_ino == os.fstat(fd).st_ino:
+                break
+            os.close(fd)  # the file was replaced between open and flock: lock the new one
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def __enter__(self) -> BuildLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def check_replaceable(output: Path) -> None:
+    """Refuse to replace anything at OUTPUT but an empty folder or a batchctl dataset."""
+    if not output.exists():
+        return
+    if output.is_dir() and (not any(output.iterdir()) or (output / "zarr.json").is_file()):
+        return
+    raise UsageError(f"OUTPUT {output} exists and is not a batchctl dataset; refusing to replace it.")
+
+
+def write_state(paths: BuildPaths, state: dict[str, Any]) -> None:
+    tmp = paths.state.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state, indent=2, sort_keys=True), encoding="utf-8")
+    os.replace(tmp, paths.state)
+
+
+def read_state(paths: BuildPaths) -> dict[str, Any] | None:
+    try:
+        state = json.loads(paths.state.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return state if isinstance(state, dict) else None
+
+
+def read_journal(paths: BuildPaths) -> list[dict[str, Any]]:
+    """The journaled shards 0..K-1, in order; a torn or out-of-order tail is dropped."""
+    shards: list[dict[str, Any]] = []
+    try:
+        lines = paths.journal.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return shards
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            break
+        if entry.get("shard") != len(shards):
+            break
+        shards.append(entry)
+    return shards
+
+
+def rewrite_journal(paths: BuildPaths, shards: list[dict[str, Any]]) -> None:
+    with open(paths.journal, "w", encoding="utf-8") as journal:
+        journal.writelines(json.dumps(entry) + "\n" for entry in shards)
+        journal.flush()
+        os.fsync(journal.fileno())
+
+
+def discard(paths: BuildPaths) -> None:
+    shutil.rmtree(paths.workdir, ignore_errors=True)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths with renameat2(RENAME_EXCHANGE); False where unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd = -100
+    result = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), RENAME_EXCHANGE)
+    if result == 0:
+        return True
+    if ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()), str(b))
+
+
+def move_into_place(paths: BuildPaths) -> None:
+    """Publish the staging dataset at OUTPUT, then drop the work folder (and any old dataset)."""
+    if not paths.output.exists():
+        os.rename(paths.staging, paths.output)
+    elif not _exchange(paths.staging, paths.output):
+        old = paths.workdir / "replaced.zarr"
+        os.rename(paths.output, old)
+        os.rename(paths.staging, paths.output)
+    _fsync_dir(paths.output.parent)
+    discard(paths)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
