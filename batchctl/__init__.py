@@ -13,6 +13,7 @@ from batchctl.errors import (  # noqa: E402
     ResumeMismatchError,
     UsageError,
 )
+from batchctl.reader import Dataset, open  # noqa: E402
 from batchctl.report import BuildReport  # noqa: E402
 
 __all__ = [
@@ -21,10 +22,12 @@ __all__ = [
     "BuildInterrupted",
     "BuildOptions",
     "BuildReport",
+    "Dataset",
     "FormatError",
     "IncompleteDatasetError",
     "LockedError",
     "ResumeMismatchError",
     "UsageError",
     "build",
+    "open",
 ]

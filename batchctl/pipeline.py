@@ -100,7 +100,7 @@ class Pipeline:
         self.collator.start()
         outputs = 0
         if tasks:
-            self.pool = start_pool(self.ctx, cfg.workers, cfg.preprocessor, cfg.options, cfg.source, self.inbox)
+            self.pool = start_pool(self.ctx, cfg.workers, cfg.preprocessor.name, cfg.options, cfg.source, self.inbox)
             self.feed = BoundedFeed(tasks, TASKS_PER_WORKER * cfg.workers)
             results = self.pool.imap_unordered(run_task, self.feed)
             for _ in range(len(tasks)):

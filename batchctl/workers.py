@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from batchctl.discover import WorkItem
-from batchctl.preprocess import Preprocessor, Sample
+from batchctl.preprocess import Preprocessor, Sample, resolve
 
 
 @dataclass(frozen=True)
@@ -66,9 +66,9 @@ def ignore_interrupts() -> None:
 _worker: dict[str, Any] = {}
 
 
-def init_worker(preprocessor: Preprocessor, options: Mapping[str, Any], source: Path, outbox: Queue[Any]) -> None:
+def init_worker(preprocess: str, options: Mapping[str, Any], source: Path, outbox: Queue[Any]) -> None:
     ignore_interrupts()
-    _worker.update(preprocessor=preprocessor, options=dict(options), source=source, outbox=outbox)
+    _worker.update(preprocessor=resolve(preprocess), options=dict(options), source=source, outbox=outbox)
 
 
 def describe_error(exc: BaseException) -> str:
@@ -124,9 +124,9 @@ class BoundedFeed:
 
 
 def start_pool(
-    ctx: BaseContext, workers: int, preprocessor: Preprocessor, options: Mapping[str, Any], source: Path, outbox: Queue[Any]
+    ctx: BaseContext, workers: int, preprocess: str, options: Mapping[str, Any], source: Path, outbox: Queue[Any]
 ) -> Pool:
-    return ctx.Pool(workers, initializer=init_worker, initargs=(preprocessor, options, source, outbox))
+    return ctx.Pool(workers, initializer=init_worker, initargs=(preprocess, options, source, outbox))
 
 
 def dead_workers(pool: Pool, seen: dict[int, Any]) -> list[tuple[int, int]]:

@@ -7,9 +7,15 @@ contract is written down in docs/preprocessors.md.
 
 from __future__ import annotations
 
+import hashlib
+import importlib
+import importlib.util
+import os
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -54,14 +60,56 @@ class Preprocessor:
             yield {str(k): np.asarray(v) for k, v in raw.items()}
 
 
-def resolve(name: str) -> Preprocessor:
-    """Look a built-in preprocessor up by name."""
+def builtins() -> dict[str, Preprocessor]:
     from batchctl.preprocess import image
 
-    registry = {"image": image.PREPROCESSOR}
-    try:
-        return registry[name]
-    except KeyError:
+    return {"image": image.PREPROCESSOR}
+
+
+def resolve(spec: str) -> Preprocessor:
+    """A built-in by name, or a user's function as `package.module:function` or `path/file.py:function`.
+
+    Workers resolve the same spec again on their side, so a plugin never needs to be picklable.
+    """
+    registry = builtins()
+    if spec in registry:
+        return registry[spec]
+    if ":" not in spec:
         raise UsageError(
-            f"Expected --preprocess one of {', '.join(sorted(registry))}, got {name!r} instead."
-        ) from None
+            f"Expected --preprocess one of {', '.join(sorted(registry))} or module:function, got {spec!r} instead."
+        )
+    where, _, attr = spec.rpartition(":")
+    module = _load_module(where, spec)
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise UsageError(f"--preprocess {spec}: {where} has no function {attr!r}.")
+    if not callable(fn):
+        raise UsageError(f"--preprocess {spec}: {attr!r} is a {type(fn).__name__}, not a function.")
+    return Preprocessor(name=spec, fn=fn)
+
+
+def _load_module(where: str, spec: str) -> ModuleType:
+    if where.endswith(".py"):
+        path = Path(where).absolute()
+        if not path.is_file():
+            raise UsageError(f"--preprocess {spec}: no such file {path}.")
+        name = "batchctl_plugin_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
+        if name in sys.modules:
+            return sys.modules[name]
+        module_spec = importlib.util.spec_from_file_location(name, path)
+        if module_spec is None or module_spec.loader is None:
+            raise UsageError(f"--preprocess {spec}: cannot load {path} as Python.")
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[name] = module
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as exc:
+            del sys.modules[name]
+            raise UsageError(f"--preprocess {spec}: importing {path} failed: {exc}") from exc
+        return module
+    if os.getcwd() not in sys.path:  # like `python -m`: the user's own modules are importable
+        sys.path.insert(0, os.getcwd())
+    try:
+        return importlib.import_module(where)
+    except ImportError as exc:
+        raise UsageError(f"--preprocess {spec}: cannot import {where}: {exc}") from exc

@@ -1,0 +1,3 @@
+from batchctl.cli import run
+
+run()

@@ -1,0 +1,112 @@
+"""Read: a built dataset as batches of NumPy arrays, with no framework dependency.
+
+`open(path)` returns a `Dataset`; `ds[i]` is batch i as a dict of arrays (every field, `source`
+and `source_index` included). `iter_batches` shuffles batch order per epoch, splits batches
+between ranks and reads ahead in threads so decompression overlaps the training step.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from batchctl import format as fmt
+from batchctl.errors import BatchctlError
+
+Batch = dict[str, np.ndarray]
+
+
+class Dataset:
+    """A batchctl dataset opened for reading."""
+
+    def __init__(self, path: str | os.PathLike[str], allow_partial: bool = False) -> None:
+        self.path = os.fspath(path)
+        self.group, self.attrs = fmt.open_group(path, allow_partial=allow_partial)
+        self.arrays = fmt.open_arrays(self.group)
+        self.batch_size = self.attrs.batch_size
+        self.num_samples = self.attrs.num_samples if self.attrs.complete else self._rows_present()
+        self.num_batches = fmt.num_batches(self.num_samples, self.batch_size)
+        self.classes: list[str] | None = self.attrs.classes
+
+    def _rows_present(self) -> int:
+        return min((arr.shape[0] for arr in self.arrays.values()), default=0)
+
+    @property
+    def fields(self) -> dict[str, tuple[tuple[int, ...], np.dtype[Any]]]:
+        """Field name -> (row shape, dtype), for every array including `source` and `source_index`."""
+        return {name: (tuple(arr.shape[1:]), np.dtype(arr.dtype)) for name, arr in self.arrays.items()}
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def __getitem__(self, index: int) -> Batch:
+        if not isinstance(index, (int, np.integer)):
+            raise TypeError(f"Expected a batch index (int), got {type(index).__name__} instead.")
+        if index < 0:
+            index += self.num_batches
+        if not 0 <= index < self.num_batches:
+            raise IndexError(f"batch {index} out of range: the dataset has {self.num_batches} batches")
+        start = int(index) * self.batch_size
+        stop = min(start + self.batch_size, self.num_samples)
+        return {name: np.asarray(arr[start:stop]) for name, arr in self.arrays.items()}
+
+    def sample(self, index: int) -> dict[str, Any]:
+        """Row `index` of every array."""
+        if not 0 <= index < self.num_samples:
+            raise IndexError(f"sample {index} out of range: the dataset has {self.num_samples} samples")
+        return {name: arr[index] for name, arr in self.arrays.items()}
+
+    def batch_order(self, shuffle: bool = False, seed: int = 0, epoch: int = 0, rank: int = 0, world_size: int = 1) -> list[int]:
+        """Batch indices for one rank in one epoch.
+
+        Shuffled deterministically from (seed, epoch). Ranks take disjoint, equally long slices:
+        the last `num_batches % world_size` batches of the epoch's order are left out, so every
+        rank runs the same number of steps (different ones each epoch when shuffled).
+        """
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise BatchctlError(f"Expected 0 <= rank < world_size, got rank {rank}, world_size {world_size} instead.")
+        order = np.arange(self.num_batches)
+        if shuffle:
+            order = np.random.default_rng([seed, epoch]).permutation(self.num_batches)
+        per_rank = self.num_batches // world_size
+        return [int(i) for i in order[rank * per_rank : (rank + 1) * per_rank]] if world_size > 1 else order.tolist()
+
+    def iter_batches(
+        self,
+        shuffle: bool = False,
+        seed: int = 0,
+        epoch: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        prefetch: int = 2,
+    ) -> Iterator[Batch]:
+        """Yield this rank's batches for one epoch, `prefetch` batches read ahead in threads."""
+        order = self.batch_order(shuffle, seed, epoch, rank, world_size)
+        if prefetch <= 0:
+            yield from (self[i] for i in order)
+            return
+        with ThreadPoolExecutor(max_workers=prefetch, thread_name_prefix="batchctl-read") as pool:
+            pending: deque[Future[Batch]] = deque()
+            indices = iter(order)
+            for index in indices:
+                pending.append(pool.submit(self.__getitem__, index))
+                if len(pending) > prefetch:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self.iter_batches()
+
+    def __repr__(self) -> str:
+        return f"Dataset({self.path!r}, samples={self.num_samples}, batches={self.num_batches})"
+
+
+def open(path: str | os.PathLike[str], allow_partial: bool = False) -> Dataset:  # noqa: A001 - the public name
+    """Open a complete dataset; `allow_partial=True` also opens one whose build did not finish."""
+    return Dataset(path, allow_partial=allow_partial)

@@ -1,0 +1,24 @@
+"""Preprocessors used by the tests as `--preprocess tests/plugins.py:NAME` (a file plugin)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from batchctl.preprocess.image import preprocess_image
+
+
+def slow_image(path: Path, delay: float = 0.05, crop: int = 32) -> dict[str, np.ndarray]:
+    """The image preprocessing, small and slowed down, so a build lasts long enough to interrupt."""
+    time.sleep(delay)
+    return preprocess_image(path, resize=crop, crop=crop)
+
+
+def crash_on(path: Path, name: str = "", crop: int = 32) -> dict[str, np.ndarray]:
+    """Kills its own worker process (as the OOM killer or a decoder segfault would) on one file."""
+    if path.name == name:
+        os.kill(os.getpid(), 9)
+    return preprocess_image(path, resize=crop, crop=crop)

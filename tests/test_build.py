@@ -1,0 +1,239 @@
+"""`batchctl build` end to end: the real CLI in a subprocess on generated image folders."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zarr
+from PIL import Image
+
+import batchctl
+from tests.conftest import run_cli
+from tests.reference import mean_abs_diff, torchvision_reference
+
+
+def image_files(root: Path) -> set[str]:
+    rels = (p.relative_to(root).as_posix() for p in root.rglob("*") if p.suffix in (".jpg", ".png"))
+    return {rel for rel in rels if not any(part.startswith(".") for part in rel.split("/"))}
+
+
+@pytest.fixture(scope="module")
+def built(image_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, object]:
+    out = tmp_path_factory.mktemp("out") / "data.zarr"
+    report = out.parent / "report.json"
+    result = run_cli("build", image_folder, "-o", out, "--batch-size", "8", "--shard-batches", "2",
+                     "--workers", "2", "--report", report)
+    assert result.returncode == 0, result.stderr
+    return out, report, result
+
+
+def test_every_input_appears_exactly_once_with_its_label(built: tuple, image_folder: Path) -> None:
+    out, _, _ = built
+    group = zarr.open_group(str(out), mode="r")
+    sources = list(group["source"][:])
+    assert sorted(sources) == sorted(image_files(image_folder))
+    classes = group.attrs["batchctl"]["classes"]
+    assert classes == ["cat", "dog", "fish"]
+    labels = group["label"][:]
+    assert [classes[label] for label in labels] == [s.split("/")[0] for s in sources]
+    assert list(group["source_index"][:]) == [0] * len(sources)
+
+
+def test_rows_match_the_torchvision_reference(built: tuple, image_folder: Path) -> None:
+    out, _, _ = built
+    group = zarr.open_group(str(out), mode="r")
+    images, sources = group["image"][:], group["source"][:]
+    assert images.shape == (60, 224, 224, 3) and images.dtype == np.uint8
+    for row, source in zip(images, sources, strict=True):
+        assert mean_abs_diff(row, torchvision_reference(image_folder / source)) <= 3.0, source
+
+
+def test_chunks_are_batches_and_shards_group_them(built: tuple) -> None:
+    out, _, _ = built
+    group = zarr.open_group(str(out), mode="r")
+    for name in ("image", "label", "source", "source_index"):
+        arr = group[name]
+        assert arr.shape[0] == 60
+        assert arr.chunks[0] == 8 and arr.shards[0] == 16, name
+    shard_files = sorted(p.name for p in (out / "image" / "c").iterdir())
+    assert shard_files == ["0", "1", "2", "3"]  # 60 rows / 16 per shard, the last one partial
+
+
+def test_metadata_records_the_build(built: tuple) -> None:
+    out, _, _ = built
+    attrs = zarr.open_group(str(out), mode="r").attrs["batchctl"]
+    assert attrs["complete"] is True
+    assert attrs["format_version"] == 1
+    assert (attrs["num_samples"], attrs["batch_size"], attrs["num_batches"], attrs["num_shards"]) == (60, 8, 8, 4)
+    assert attrs["preprocess"] == {
+        "name": "image", "options": {"resize": 256, "crop": 224, "layout": "hwc", "draft": True}
+    }
+    assert attrs["batchctl_version"] == batchctl.__version__
+    assert attrs["created"] and attrs["errors"] == 0 and attrs["ignored"] == 0
+    assert attrs["fields"] == {"image": {"shape": [224, 224, 3], "dtype": "uint8"}}
+
+
+def test_report_and_summary(built: tuple) -> None:
+    _, report_path, result = built
+    report = json.loads(report_path.read_text())
+    assert report["status"] == "complete"
+    assert (report["samples"], report["processed"], report["errors"], report["ignored"]) == (60, 60, [], 0)
+    assert report["elapsed_s"] > 0 and report["samples_per_s"] > 0
+    assert "60 samples in 8 batches, 4 shards" in result.stderr  # type: ignore[attr-defined]
+    assert "Traceback" not in result.stderr  # type: ignore[attr-defined]
+
+
+def test_no_staging_left_beside_the_output(built: tuple) -> None:
+    out, _, _ = built
+    assert not (out.parent / f".{out.name}.batchctl").exists()
+
+
+def test_corrupt_files_are_skipped_named_and_counted(image_folder: Path, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    shutil.copytree(image_folder / "cat", src / "cat")
+    (src / "cat" / "broken.jpg").write_bytes(b"\xff\xd8\xff not really a jpeg")
+    (src / "cat" / "empty.png").write_bytes(b"")
+    (src / "cat" / "notes.txt").write_text("ignored: not an image")
+    (src / ".hidden").mkdir()
+    (src / ".hidden" / "x.jpg").write_bytes(b"hidden files are not even looked at")
+    out, report = tmp_path / "out.zarr", tmp_path / "r.json"
+    result = run_cli("build", src, "-o", out, "--batch-size", "4", "--report", report)
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("skipped")]
+    assert sorted(line.split(":")[0] for line in lines) == ["skipped cat/broken.jpg", "skipped cat/empty.png"]
+    data = json.loads(report.read_text())
+    assert sorted(e["source"] for e in data["errors"]) == ["cat/broken.jpg", "cat/empty.png"]
+    assert data["ignored"] == 1
+    ds = batchctl.open(out)
+    assert ds.num_samples == 20
+    assert set(np.concatenate([b["source"] for b in ds])) == image_files(src) - {"cat/broken.jpg", "cat/empty.png"}
+    assert zarr.open_group(str(out)).attrs["batchctl"]["errors"] == 2
+
+
+def test_strict_fails_and_publishes_nothing(image_folder: Path, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    shutil.copytree(image_folder / "dog", src / "dog")
+    (src / "dog" / "broken.jpg").write_bytes(b"garbage")
+    out, report = tmp_path / "out.zarr", tmp_path / "r.json"
+    result = run_cli("build", src, "-o", out, "--strict", "--report", report)
+    assert result.returncode == 1
+    assert "dog/broken.jpg" in result.stderr and "Traceback" not in result.stderr
+    assert not out.exists()
+    assert json.loads(report.read_text())["status"] == "failed"
+
+
+def test_flat_folder_has_no_labels(tmp_path: Path) -> None:
+    from batchctl.synthetic import make_image_folder
+
+    make_image_folder(tmp_path / "flat", 5, classes=(), sides=(64, 100))
+    out = tmp_path / "flat.zarr"
+    assert run_cli("build", tmp_path / "flat", "-o", out, "--crop", "32", "--resize", "40").returncode == 0
+    ds = batchctl.open(out)
+    assert ds.classes is None and "label" not in ds.fields
+    assert ds.fields["image"] == ((32, 32, 3), np.dtype("uint8"))
+
+
+def test_seed_makes_the_dispatch_order_repeatable(image_folder: Path, tmp_path: Path) -> None:
+    def order(*extra: str) -> list[str]:
+        out = tmp_path / f"o{len(list(tmp_path.iterdir()))}.zarr"
+        result = run_cli("build", image_folder, "-o", out, "--workers", "1", "--crop", "16", "--resize", "16", *extra)
+        assert result.returncode == 0, result.stderr
+        return [str(s) for s in zarr.open_group(str(out))["source"][:]]
+
+    unseeded, seed1, seed1_again, seed2 = order(), order("--seed", "1"), order("--seed", "1"), order("--seed", "2")
+    assert unseeded == sorted(unseeded)
+    assert seed1 == seed1_again and seed1 != seed2 and seed1 != unseeded
+    assert sorted(seed1) == sorted(unseeded)
+
+
+@pytest.mark.parametrize("compression", ["blosc", "none"])
+def test_other_compressions_carry_a_checksum(image_folder: Path, tmp_path: Path, compression: str) -> None:
+    out = tmp_path / "c.zarr"
+    result = run_cli("build", image_folder / "fish", "-o", out, "--compression", compression, "--crop", "16", "--resize", "16")
+    assert result.returncode == 0, result.stderr
+    codecs = json.loads((out / "image" / "zarr.json").read_text())["codecs"][0]["configuration"]["codecs"]
+    assert codecs[-1]["name"] == "crc32c"
+    assert batchctl.open(out).num_samples == 20
+
+
+def test_default_zstd_checksums_every_chunk(built: tuple) -> None:
+    out, _, _ = built
+    codecs = json.loads((out / "image" / "zarr.json").read_text())["codecs"][0]["configuration"]["codecs"]
+    assert codecs[-1] == {"name": "zstd", "configuration": {"level": 3, "checksum": True}}
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--compression", "lz4"], "compression"),
+        (["--batch-size", "0"], "batch-size"),
+        (["--preprocess", "nope"], "preprocess"),
+        (["--preprocess", "no_such_module_xyz:fn"], "no_such_module_xyz"),
+        (["--preprocess", "tests/plugins.py:missing"], "missing"),
+    ],
+)
+def test_usage_errors_exit_2_with_a_message(image_folder: Path, tmp_path: Path, args: list[str], needle: str) -> None:
+    result = run_cli("build", image_folder, "-o", tmp_path / "x.zarr", *args)
+    assert result.returncode == 2
+    assert needle in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "x.zarr").exists()
+
+
+def test_missing_source_is_a_usage_error(tmp_path: Path) -> None:
+    result = run_cli("build", tmp_path / "nowhere", "-o", tmp_path / "x.zarr")
+    assert result.returncode == 2 and "nowhere" in result.stderr
+
+
+def test_refuses_to_replace_a_folder_that_is_not_a_dataset(image_folder: Path, tmp_path: Path) -> None:
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "thesis.tex").write_text("do not delete")
+    result = run_cli("build", image_folder, "-o", precious)
+    assert result.returncode == 2 and "not a batchctl dataset" in result.stderr
+    assert (precious / "thesis.tex").read_text() == "do not delete"
+
+
+def test_quiet_prints_only_errors(image_folder: Path, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    shutil.copytree(image_folder / "cat", src / "cat")
+    (src / "cat" / "bad.png").write_text("text named .png")
+    result = run_cli("build", src, "-o", tmp_path / "q.zarr", "--quiet", "--crop", "16", "--resize", "16")
+    assert result.returncode == 0
+    assert result.stderr.splitlines() == [result.stderr.splitlines()[0]]
+    assert result.stderr.startswith("skipped cat/bad.png:")
+
+
+def test_python_api_returns_a_report(image_folder: Path, tmp_path: Path) -> None:
+    report = batchctl.build(image_folder / "dog", tmp_path / "api.zarr", batch_size=5, workers=2, preprocess_options={"crop": 16, "resize": 16})
+    assert report.status == "complete" and report.samples == 20 and report.batches == 4
+    ds = batchctl.open(tmp_path / "api.zarr")
+    assert ds[3]["image"].shape == (5, 16, 16, 3)
+
+
+def test_modes_and_tiny_images_are_handled(tmp_path: Path) -> None:
+    src = tmp_path / "modes"
+    src.mkdir()
+    rng = np.random.default_rng(1)
+    rgb = Image.fromarray(rng.integers(0, 255, (50, 70, 3), dtype=np.uint8))
+    rgb.convert("L").save(src / "grey.png")
+    rgb.convert("P").save(src / "palette.png")
+    rgb.convert("RGBA").save(src / "rgba.png")
+    rgb.convert("CMYK").save(src / "cmyk.jpg")
+    Image.fromarray((rng.integers(0, 65535, (40, 30))).astype(np.uint16)).save(src / "grey16.png")
+    rgb.resize((1, 1)).save(src / "one.png")
+    rgb.save(src / "img.webp")
+    rgb.save(src / "img.tiff")
+    rgb.save(src / "img.bmp")
+    rgb.save(src / "img.GIF")
+    out = tmp_path / "modes.zarr"
+    result = run_cli("build", src, "-o", out, "--strict", "--crop", "32", "--resize", "40")
+    assert result.returncode == 0, result.stderr
+    ds = batchctl.open(out)
+    assert ds.num_samples == 10
+    rows = {str(s): img for b in ds for s, img in zip(b["source"], b["image"], strict=True)}
+    for name in ("grey.png", "palette.png", "rgba.png", "cmyk.jpg", "grey16.png", "img.webp"):
+        assert mean_abs_diff(rows[name], torchvision_reference(src / name, 40, 32)) <= 3.0, name
