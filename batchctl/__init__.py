@@ -1,20 +1,31 @@
-"""batchctl: preprocess a folder of files once, offline, into sharded Zarr v3 batches."""
+"""batchctl: preprocess a folder of files once, offline, into sharded Zarr v3 batches.
+
+Names are imported lazily so that `batchctl` on the command line starts fast and a Ctrl-C during
+start-up never shows a traceback.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-from batchctl.build import BuildOptions, build  # noqa: E402
-from batchctl.errors import (  # noqa: E402
-    BatchctlError,
-    BuildFailed,
-    BuildInterrupted,
-    FormatError,
-    IncompleteDatasetError,
-    LockedError,
-    ResumeMismatchError,
-    UsageError,
-)
-from batchctl.reader import Dataset, open  # noqa: E402
-from batchctl.report import BuildReport  # noqa: E402
+_EXPORTS = {
+    "build": "batchctl.build",
+    "BuildOptions": "batchctl.build",
+    "open": "batchctl.reader",
+    "Dataset": "batchctl.reader",
+    "BuildReport": "batchctl.report",
+    "BatchctlError": "batchctl.errors",
+    "BuildFailed": "batchctl.errors",
+    "BuildInterrupted": "batchctl.errors",
+    "FormatError": "batchctl.errors",
+    "IncompleteDatasetError": "batchctl.errors",
+    "LockedError": "batchctl.errors",
+    "ResumeMismatchError": "batchctl.errors",
+    "UsageError": "batchctl.errors",
+}
 
 __all__ = [
     "BatchctlError",
@@ -31,3 +42,26 @@ __all__ = [
     "build",
     "open",
 ]
+
+if TYPE_CHECKING:
+    from batchctl.build import BuildOptions, build
+    from batchctl.errors import (
+        BatchctlError,
+        BuildFailed,
+        BuildInterrupted,
+        FormatError,
+        IncompleteDatasetError,
+        LockedError,
+        ResumeMismatchError,
+        UsageError,
+    )
+    from batchctl.reader import Dataset, open
+    from batchctl.report import BuildReport
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'batchctl' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value

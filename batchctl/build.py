@@ -12,9 +12,8 @@ from typing import Any
 
 import zarr
 
-from batchctl import __version__
+from batchctl import __version__, staging
 from batchctl import format as fmt
-from batchctl import staging
 from batchctl.collate import CollatorConfig, Rejected
 from batchctl.discover import Discovery, discover
 from batchctl.errors import BuildFailed, BuildInterrupted, FormatError, ResumeMismatchError, UsageError
@@ -44,8 +43,11 @@ class BuildOptions:
     max_errors: int | None = None
     resume: bool = True
     force: bool = False
+    timeout: float | None = None
 
     def __post_init__(self) -> None:
+        if self.timeout is not None and not self.timeout > 0:
+            raise UsageError(f"Expected timeout > 0 seconds, got {self.timeout!r} instead.")
         _positive("batch_size", self.batch_size)
         _positive("workers", self.workers)
         if self.shard_batches is not None:
@@ -137,6 +139,7 @@ class _Builder:
             self.pp_options,
             self.source,
             self.options.workers,
+            self.options.timeout,
             CollatorConfig(
                 dataset=self.paths.staging,
                 journal=self.paths.journal,
@@ -153,7 +156,9 @@ class _Builder:
         self.progress.close()
         if finished.samples == 0:
             raise BuildFailed(f"no samples were produced: all {len(discovery.items)} files were skipped", self.report)
-        self._publish(discovery, fingerprint, finished.samples, finished.shards, finished.shard_batches, finished.schema)
+        self._publish(
+            discovery, fingerprint, finished.samples, finished.shards, finished.shard_batches, finished.schema
+        )
         self.report.samples = finished.samples
         self.report.batches = fmt.num_batches(finished.samples, self.options.batch_size)
         self.report.shards = finished.shards
@@ -167,7 +172,11 @@ class _Builder:
             return False
         if attrs.fingerprint != fingerprint:
             return False
-        self.report.samples, self.report.batches, self.report.shards = attrs.num_samples, attrs.num_batches, attrs.num_shards
+        self.report.samples, self.report.batches, self.report.shards = (
+            attrs.num_samples,
+            attrs.num_batches,
+            attrs.num_shards,
+        )
         self.report.bytes = _tree_bytes(self.output)
         return True
 
@@ -185,7 +194,7 @@ class _Builder:
         group = zarr.open_group(str(self.paths.staging), mode="w")
         fmt.write_attrs(group, self._attrs(discovery, "", 0, 0, self.options.shard_batches or 0, {}, complete=False))
         staging.write_state(self.paths, {"spec": self.spec, "source": str(self.source), "classes": discovery.classes})
-        return [Task(item) for item in discovery.items]
+        return [Task(index, item) for index, item in enumerate(discovery.items)]
 
     def _resume(self, discovery: Discovery, state: Mapping[str, Any]) -> list[Task] | None:
         """Tasks still to do after an interrupted run, or None when it cannot be trusted."""
@@ -215,10 +224,10 @@ class _Builder:
         self.report.resumed_shards = len(shards)
         if shards:
             self.progress.info(f"resuming: {len(shards)} shards kept from the interrupted build")
+        todo = [item for item in discovery.items if not (item.relpath in written and written[item.relpath][1])]
         return [
-            Task(item, skip=written[item.relpath][0] if item.relpath in written else 0)
-            for item in discovery.items
-            if not (item.relpath in written and written[item.relpath][1])
+            Task(index, item, skip=written[item.relpath][0] if item.relpath in written else 0)
+            for index, item in enumerate(todo)
         ]
 
     def _shard_batches_on_disk(self) -> int:
@@ -246,8 +255,14 @@ class _Builder:
             raise BuildFailed(f"more than {limit} files were skipped with errors (--max-errors {limit})", self.report)
 
     def _attrs(
-        self, discovery: Discovery, fingerprint: str, samples: int, shards: int, shard_batches: int,
-        schema: dict[str, dict[str, Any]], complete: bool,
+        self,
+        discovery: Discovery,
+        fingerprint: str,
+        samples: int,
+        shards: int,
+        shard_batches: int,
+        schema: dict[str, dict[str, Any]],
+        complete: bool,
     ) -> fmt.DatasetAttrs:
         return fmt.DatasetAttrs(
             batch_size=self.options.batch_size,
@@ -257,7 +272,7 @@ class _Builder:
             preprocess=self.spec["preprocess"],
             compression=self.options.compression,
             batchctl_version=__version__,
-            created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            created=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             source=str(self.source),
             fingerprint=fingerprint,
             complete=complete,
@@ -269,12 +284,19 @@ class _Builder:
         )
 
     def _publish(
-        self, discovery: Discovery, fingerprint: str, samples: int, shards: int, shard_batches: int,
+        self,
+        discovery: Discovery,
+        fingerprint: str,
+        samples: int,
+        shards: int,
+        shard_batches: int,
         schema: dict[str, dict[str, Any]],
     ) -> None:
         """Mark the staging dataset complete (its last write), then move it into place."""
         group = zarr.open_group(str(self.paths.staging), mode="r+")
-        fmt.write_attrs(group, self._attrs(discovery, fingerprint, samples, shards, shard_batches, schema, complete=True))
+        fmt.write_attrs(
+            group, self._attrs(discovery, fingerprint, samples, shards, shard_batches, schema, complete=True)
+        )
         staging.move_into_place(self.paths)
 
     def _end(self, status: Any, message: str = "") -> BuildReport:

@@ -67,17 +67,28 @@ def build(
     batch_size: Annotated[int, typer.Option(help="Samples per batch (= rows per chunk).", min=1)] = 64,
     workers: Annotated[Optional[int], typer.Option(help="Preprocessing processes (default: all cores).", min=1)] = None,
     preprocess: Annotated[str, typer.Option(help="Preprocessor: image.")] = "image",
-    resize: Annotated[Optional[int], typer.Option(help="image: shorter side after resizing (default 256).", min=1)] = None,
+    resize: Annotated[
+        Optional[int], typer.Option(help="image: shorter side after resizing (default 256).", min=1)
+    ] = None,
     crop: Annotated[Optional[int], typer.Option(help="image: side of the centre crop (default 224).", min=1)] = None,
     layout: Annotated[Optional[str], typer.Option(help="image: pixel layout hwc or chw (default hwc).")] = None,
-    option: Annotated[Optional[list[str]], typer.Option("--option", help="Preprocessor option key=value (repeatable).")] = None,
+    option: Annotated[
+        Optional[list[str]], typer.Option("--option", help="Preprocessor option key=value (repeatable).")
+    ] = None,
     seed: Annotated[Optional[int], typer.Option(help="Shuffle the order files are dispatched in.")] = None,
-    shard_batches: Annotated[Optional[int], typer.Option(help="Batches per shard file (default: about 128 MiB).", min=1)] = None,
+    shard_batches: Annotated[
+        Optional[int], typer.Option(help="Batches per shard file (default: about 128 MiB).", min=1)
+    ] = None,
     compression: Annotated[str, typer.Option(help="zstd, blosc or none (every chunk is checksummed).")] = "zstd",
-    strict: Annotated[bool, typer.Option("--strict", help="Fail the build on any skipped file (= --max-errors 0).")] = False,
+    strict: Annotated[
+        bool, typer.Option("--strict", help="Fail the build on any skipped file (= --max-errors 0).")
+    ] = False,
     max_errors: Annotated[Optional[int], typer.Option(help="Fail once more than N files were skipped.", min=0)] = None,
     resume: Annotated[bool, typer.Option(help="Resume an interrupted build of OUTPUT.")] = True,
     force: Annotated[bool, typer.Option("--force", help="Rebuild even when OUTPUT is up to date.")] = False,
+    timeout: Annotated[
+        Optional[float], typer.Option(help="Seconds one file may take; a slower one is killed and skipped.", min=0.001)
+    ] = None,
     report: Annotated[Optional[Path], typer.Option(help="Write a JSON report of the build here.")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only errors.")] = False,
 ) -> None:
@@ -92,6 +103,7 @@ def build(
         "max_errors": 0 if strict else max_errors,
         "resume": resume,
         "force": force,
+        "timeout": timeout,
     }
     if workers is not None:
         options["workers"] = workers

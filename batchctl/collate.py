@@ -12,7 +12,7 @@ import json
 import os
 import sys
 from dataclasses import dataclass, field
-from multiprocessing.queues import Queue
+from multiprocessing.queues import Queue, SimpleQueue
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +37,7 @@ class CollatorConfig:
 
 @dataclass(frozen=True)
 class End:
-    """Sent by the parent once all results are in: the collator stops after `tasks` task outputs."""
-
-    tasks: int
+    """Sent by the parent once all results are in; every task output is ahead of it in the pipe."""
 
 
 @dataclass(frozen=True)
@@ -126,7 +124,9 @@ class Collator:
         self.schema = {name: fmt.FieldSpec.of(value) for name, value in sample.items()}
         shard_batches = self.config.shard_batches or fmt.default_shard_batches(self.config.batch_size, self.schema)
         self.layout = fmt.Layout(self.config.batch_size, shard_batches)
-        self.arrays = fmt.create_arrays(self.group, self.schema, self.layout, self.config.compression, self.config.labelled)
+        self.arrays = fmt.create_arrays(
+            self.group, self.schema, self.layout, self.config.compression, self.config.labelled
+        )
         self.shard = self._new_shard()
 
     def _new_shard(self) -> _Shard:
@@ -198,19 +198,13 @@ class Collator:
         return Finished(samples, self.shard_index, self.nbytes, shard_batches, schema)
 
 
-def run_collator(config: CollatorConfig, inbox: Queue[Any], events: Queue[Event]) -> None:
+def run_collator(config: CollatorConfig, inbox: SimpleQueue[Any], events: Queue[Event]) -> None:
     """Process entry point: collate until the parent's End and every task output it counts arrived."""
     ignore_interrupts()
     try:
         collator = Collator(config, events)
-        received, expected = 0, None
-        while expected is None or received < expected:
-            message = inbox.get()
-            if isinstance(message, End):
-                expected = message.tasks
-            else:
-                collator.add(message)
-                received += 1
+        while not isinstance(message := inbox.get(), End):
+            collator.add(message)
         events.put(collator.finish())
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails the build
         events.put(Crashed(f"the collator failed writing {config.dataset}: {describe_error(exc)}"))

@@ -49,7 +49,10 @@ def walk_files(root: Path) -> Iterable[tuple[str, os.stat_result | OSError]]:
             yield prefix.rstrip("/") or ".", exc
             return
         if (st.st_dev, st.st_ino) in seen:
-            yield prefix.rstrip("/"), OSError(f"symlink loop: {prefix.rstrip('/')} leads back to a folder already walked")
+            yield (
+                prefix.rstrip("/"),
+                OSError(f"symlink loop: {prefix.rstrip('/')} leads back to a folder already walked"),
+            )
             return
         seen.add((st.st_dev, st.st_ino))
         try:
@@ -76,9 +79,7 @@ def walk_files(root: Path) -> Iterable[tuple[str, os.stat_result | OSError]]:
     yield from visit(root, "")
 
 
-def discover(
-    source: Path, accepts: Callable[[str], bool], seed: int | None = None
-) -> Discovery:
+def discover(source: Path, accepts: Callable[[str], bool], seed: int | None = None) -> Discovery:
     """Files `accepts` takes become work items; the rest are counted as ignored.
 
     With class sub-folders the first path component names the class (sorted, numbered from 0)

@@ -50,7 +50,9 @@ class FieldSpec:
 
     @classmethod
     def of(cls, value: np.ndarray) -> FieldSpec:
-        return cls(tuple(int(n) for n in value.shape), value.dtype.str if value.dtype.byteorder == ">" else value.dtype.name)
+        return cls(
+            tuple(int(n) for n in value.shape), value.dtype.str if value.dtype.byteorder == ">" else value.dtype.name
+        )
 
 
 Schema = dict[str, FieldSpec]
@@ -139,9 +141,7 @@ def create_arrays(
     group: zarr.Group, schema: Schema, layout: Layout, compression: str, labelled: bool
 ) -> dict[str, zarr.Array]:
     """Create every array empty (shape 0); rows are added shard by shard with `write_shard`."""
-    columns: dict[str, tuple[tuple[int, ...], Any]] = {
-        name: (spec.shape, spec.dtype) for name, spec in schema.items()
-    }
+    columns: dict[str, tuple[tuple[int, ...], Any]] = {name: (spec.shape, spec.dtype) for name, spec in schema.items()}
     if labelled:
         columns[LABEL] = ((), "int64")
     columns[SOURCE] = ((), str)

@@ -1,16 +1,21 @@
 """Run the processes of one build: the preprocessing pool, the collator, and their shutdown.
 
 The parent feeds the pool a bounded window of tasks, consumes `imap_unordered` results in
-completion order, and watches over the children: a worker killed by the kernel or a dead
-collator fails the build cleanly instead of hanging (a plain Pool waits forever for a lost task).
+completion order, and watches over the children: a plain Pool waits forever for the task of a
+worker the kernel killed, so the parent notices the death, records that file as an error and
+goes on (the pool has already replaced the worker); a worker past --timeout is killed the same
+way; a dead collator fails the build cleanly.
 On SIGINT/SIGTERM, or any failure, `_abort` terminates every child and drops queued data.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
+import os
 import queue
 import signal
+import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,11 +25,19 @@ from typing import Any
 from batchctl.collate import CollatorConfig, Crashed, End, Event, Finished, Rejected, ShardWritten, run_collator
 from batchctl.preprocess import Preprocessor
 from batchctl.progress import Progress
-from batchctl.workers import BoundedFeed, Task, TaskResult, dead_workers, mp_context, run_task, start_pool
+from batchctl.workers import (
+    BoundedFeed,
+    Task,
+    TaskResult,
+    WorkerSlots,
+    exit_codes,
+    mp_context,
+    run_task,
+    start_pool,
+)
 
 HEALTH_CHECK_S = 1.0  # how long a blocking wait lasts before the children are checked on
 TASKS_PER_WORKER = 4  # tasks in flight per worker: enough to keep it busy, few enough to stay small
-QUEUE_PER_WORKER = 2  # task outputs waiting for the collator, per worker
 
 
 class Signalled(BaseException):
@@ -60,6 +73,7 @@ class PipelineConfig:
     options: Mapping[str, Any]
     source: Path
     workers: int
+    timeout: float | None
     collator: CollatorConfig
 
 
@@ -78,12 +92,21 @@ class Pipeline:
         self.on_result = on_result
         self.on_rejected = on_rejected
         self.ctx = mp_context()
-        self.inbox: Any = self.ctx.Queue(maxsize=QUEUE_PER_WORKER * config.workers)
+        # A SimpleQueue writes in the caller's thread: when a worker's put returns, its samples
+        # are in the pipe. (A Queue's feeder thread would still be writing when the worker starts
+        # its next file; a worker killed then leaves a torn message and the write lock held.)
+        # The pipe bounds it: a put blocks while the collator is behind.
+        self.inbox: Any = self.ctx.SimpleQueue()
         self.events: Any = self.ctx.Queue()
         self.collator: Any = None
         self.pool: Any = None
         self.feed: BoundedFeed | None = None
+        self.slots = WorkerSlots(self.ctx, 2 * config.workers + 8)
+        self.pending: dict[int, Task] = {}
         self.seen_workers: dict[int, Any] = {}
+        self.timed_out: set[int] = set()
+        self.lost_workers = 0
+        self.last_check = time.monotonic()
 
     def run(self, tasks: list[Task]) -> Finished:
         try:
@@ -98,46 +121,79 @@ class Pipeline:
             target=run_collator, args=(cfg.collator, self.inbox, self.events), name="batchctl-collator"
         )
         self.collator.start()
-        outputs = 0
         if tasks:
-            self.pool = start_pool(self.ctx, cfg.workers, cfg.preprocessor.name, cfg.options, cfg.source, self.inbox)
+            self.pending = {task.index: task for task in tasks}
+            self.pool = start_pool(
+                self.ctx, cfg.workers, cfg.preprocessor.name, cfg.options, cfg.source, self.inbox, self.slots
+            )
+            exit_codes(self.pool, self.seen_workers)
             self.feed = BoundedFeed(tasks, TASKS_PER_WORKER * cfg.workers)
             results = self.pool.imap_unordered(run_task, self.feed)
-            for _ in range(len(tasks)):
+            while self.pending:
                 result = self._next_result(results)
-                self.feed.consumed()
-                outputs += result.samples > 0
-                self.progress.file_done()
-                self.on_result(result)
+                if result is not None and self.pending.pop(result.task.index, None) is not None:
+                    self._done(result)
                 self._drain_events()
-            self.pool.close()
+        self.inbox.put(End())  # after every worker's output: puts are complete when results return
+        finished = self._wait_finished()
+        if self.pool is not None:
+            if self.lost_workers:  # the pool still counts the lost tasks and would wait for them
+                self.pool.terminate()
+            else:
+                self.pool.close()
             self.pool.join()
-        self.inbox.put(End(outputs))
-        return self._wait_finished()
+        return finished
 
-    def _next_result(self, results: Any) -> TaskResult:
+    def _done(self, result: TaskResult) -> None:
+        assert self.feed is not None
+        self.feed.consumed()
+        self.progress.file_done()
+        self.on_result(result)
+
+    def _next_result(self, results: Any) -> TaskResult | None:
+        """The next result, or None after a lost task was accounted for instead."""
         while True:
+            if time.monotonic() - self.last_check >= HEALTH_CHECK_S and self._check_children():
+                return None
             try:
                 result: TaskResult = results.next(timeout=HEALTH_CHECK_S)
                 return result
             except mp.TimeoutError:
                 self._drain_events()
-                self._check_children()
 
-    def _check_children(self) -> None:
-        if self.pool is not None:
-            dead = dead_workers(self.pool, self.seen_workers)
-            if dead:
-                pid, code = dead[0]
-                raise PipelineError(
-                    f"a preprocessing worker (pid {pid}) died with {_exit_text(code)}, losing the file it "
-                    "was working on; rerun the same command to resume"
-                )
+    def _check_children(self) -> bool:
+        """Fail on a dead collator; turn a dead or timed-out worker's task into that file's error.
+        True when a lost task was accounted for."""
+        self.last_check = time.monotonic()
         if not self.collator.is_alive():
             self._drain_events()
             raise PipelineError(
                 f"the collator process died with {_exit_text(self.collator.exitcode)}; rerun the same command to resume"
             )
+        if self.pool is None:
+            return False
+        timeout = self.config.timeout
+        for pid, _index, running_s in self.slots.running():
+            if timeout is not None and running_s > timeout and pid not in self.timed_out:
+                self.timed_out.add(pid)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        accounted = False
+        exit_codes(self.pool, self.seen_workers)
+        for pid in self.slots.vanished():
+            self.lost_workers += 1
+            task = self.pending.pop(self.slots.release(pid), None)
+            proc = self.seen_workers.pop(pid, None)
+            code = None if proc is None else proc.exitcode
+            if task is None:
+                continue
+            if pid in self.timed_out:
+                reason = f"timed out after {timeout:g} s (--timeout); its worker was killed"
+            else:
+                reason = f"the worker process preprocessing it died ({_exit_text(code)})"
+            self._done(TaskResult(task, 0, reason))
+            accounted = True
+        return accounted
 
     def _drain_events(self, block: bool = False) -> Finished | None:
         while True:
@@ -163,7 +219,8 @@ class Pipeline:
             if finished is not None:
                 self.collator.join()
                 return finished
-            self._check_children()
+            if not self.collator.is_alive():
+                self._check_children()
 
     def _abort(self) -> None:
         """End every child now; queued data is dropped (what was journaled stays for resume)."""
@@ -179,9 +236,9 @@ class Pipeline:
                 if self.collator.is_alive():
                     self.collator.kill()
                     self.collator.join()
-            for q in (self.inbox, self.events):
-                q.cancel_join_thread()
-                q.close()
+            self.events.cancel_join_thread()
+            self.events.close()
+            self.inbox.close()
             if self.pool is not None:
                 self.pool.join()
         finally:
@@ -190,6 +247,8 @@ class Pipeline:
 
 
 def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "killed"
     if code is not None and code < 0:
         try:
             return f"signal {signal.Signals(-code).name}"

@@ -61,7 +61,9 @@ class Dataset:
             raise IndexError(f"sample {index} out of range: the dataset has {self.num_samples} samples")
         return {name: arr[index] for name, arr in self.arrays.items()}
 
-    def batch_order(self, shuffle: bool = False, seed: int = 0, epoch: int = 0, rank: int = 0, world_size: int = 1) -> list[int]:
+    def batch_order(
+        self, shuffle: bool = False, seed: int = 0, epoch: int = 0, rank: int = 0, world_size: int = 1
+    ) -> list[int]:
         """Batch indices for one rank in one epoch.
 
         Shuffled deterministically from (seed, epoch). Ranks take disjoint, equally long slices:

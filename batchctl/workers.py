@@ -1,21 +1,23 @@
 """Preprocessing workers: the pool, bounded dispatch, and the task that runs in each worker.
 
-Workers hand their samples straight to the collator's bounded queue and return only a small
+Workers hand their samples straight to the collator's queue and return only a small
 `TaskResult` to the parent, so sample arrays are pickled once, not twice, and a slow collator
-slows the workers down instead of filling memory. No exception crosses the pool: a failing file
-becomes a `TaskResult` with its error text.
+slows the workers down instead of filling memory (a put blocks on the full pipe). No exception
+crosses the pool: a failing file becomes a `TaskResult` with its error text.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import signal
 import threading
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from multiprocessing.context import BaseContext
+from multiprocessing.context import BaseContext, ForkServerContext
 from multiprocessing.pool import Pool
-from multiprocessing.queues import Queue
+from multiprocessing.queues import SimpleQueue
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,7 @@ from batchctl.preprocess import Preprocessor, Sample, resolve
 class Task:
     """One unit of work: a file (later, a part of one) and what the collator needs to place it."""
 
+    index: int
     item: WorkItem
     skip: int = 0  # samples of this file already written by an interrupted run
 
@@ -48,7 +51,7 @@ class TaskResult:
     error: str | None = None
 
 
-def mp_context() -> BaseContext:
+def mp_context() -> ForkServerContext:
     """forkserver, not fork: the parent may already run zarr's event-loop thread and tqdm's
     monitor thread, and forking a process with live threads can deadlock the child. Workers are
     forked from a clean server process that preloaded the heavy imports, so they start fast."""
@@ -63,11 +66,80 @@ def ignore_interrupts() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
+class WorkerSlots:
+    """Which task each worker is running and since when, in shared memory.
+
+    A worker killed by the kernel takes its task with it and a plain Pool never says which; this
+    table lets the parent name the lost file (and kill a worker stuck past --timeout).
+    Each slot holds (pid, task index or -1, start time in ms of CLOCK_MONOTONIC).
+    """
+
+    def __init__(self, ctx: BaseContext, count: int) -> None:
+        self.count = count
+        self.lock = ctx.Lock()
+        self.table = ctx.Array("q", count * 3, lock=False)
+
+    def claim(self, pid: int) -> int:
+        with self.lock:
+            for slot in range(self.count):
+                if self.table[slot * 3] == 0:
+                    self.table[slot * 3 : slot * 3 + 3] = [pid, -1, 0]
+                    return slot
+        return -1
+
+    def begin(self, slot: int, task_index: int) -> None:
+        if slot >= 0:
+            self.table[slot * 3 + 2] = _now_ms()
+            self.table[slot * 3 + 1] = task_index
+
+    def end(self, slot: int) -> None:
+        if slot >= 0:
+            self.table[slot * 3 + 1] = -1
+
+    def running(self) -> list[tuple[int, int, float]]:
+        """(pid, task index, seconds running) of every busy worker."""
+        now = _now_ms()
+        rows = [tuple(self.table[slot * 3 : slot * 3 + 3]) for slot in range(self.count)]
+        return [(pid, index, (now - start) / 1000) for pid, index, start in rows if pid and index >= 0]
+
+    def vanished(self) -> list[int]:
+        """Pids of slot holders that no longer exist (killed, and reaped by the pool)."""
+        pids = [self.table[slot * 3] for slot in range(self.count)]
+        return [pid for pid in pids if pid and not _alive(pid)]
+
+    def release(self, pid: int) -> int:
+        """Free the slot of a dead worker; the task index it was running, or -1."""
+        with self.lock:
+            for slot in range(self.count):
+                if self.table[slot * 3] == pid:
+                    index = self.table[slot * 3 + 1]
+                    self.table[slot * 3 : slot * 3 + 3] = [0, -1, 0]
+                    return int(index)
+        return -1
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _now_ms() -> int:
+    return time.monotonic_ns() // 1_000_000
+
+
 _worker: dict[str, Any] = {}
 
 
-def init_worker(preprocess: str, options: Mapping[str, Any], source: Path, outbox: Queue[Any]) -> None:
+def init_worker(
+    preprocess: str, options: Mapping[str, Any], source: Path, outbox: SimpleQueue[Any], slots: WorkerSlots
+) -> None:
     ignore_interrupts()
+    _worker.update(slots=slots, slot=slots.claim(os.getpid()))
     _worker.update(preprocessor=resolve(preprocess), options=dict(options), source=source, outbox=outbox)
 
 
@@ -80,6 +152,15 @@ def describe_error(exc: BaseException) -> str:
 
 
 def run_task(task: Task) -> TaskResult:
+    slots: WorkerSlots = _worker["slots"]
+    slots.begin(_worker["slot"], task.index)
+    try:
+        return _preprocess(task)
+    finally:
+        slots.end(_worker["slot"])
+
+
+def _preprocess(task: Task) -> TaskResult:
     preprocessor: Preprocessor = _worker["preprocessor"]
     path = _worker["source"] / task.item.relpath
     try:
@@ -124,14 +205,18 @@ class BoundedFeed:
 
 
 def start_pool(
-    ctx: BaseContext, workers: int, preprocess: str, options: Mapping[str, Any], source: Path, outbox: Queue[Any]
+    ctx: BaseContext,
+    workers: int,
+    preprocess: str,
+    options: Mapping[str, Any],
+    source: Path,
+    outbox: SimpleQueue[Any],
+    slots: WorkerSlots,
 ) -> Pool:
-    return ctx.Pool(workers, initializer=init_worker, initargs=(preprocess, options, source, outbox))
+    return ctx.Pool(workers, initializer=init_worker, initargs=(preprocess, options, source, outbox, slots))
 
 
-def dead_workers(pool: Pool, seen: dict[int, Any]) -> list[tuple[int, int]]:
-    """(pid, exit code) of pool workers that died; the pool replaces them silently, so remember
-    every process it ever had in `seen`."""
+def exit_codes(pool: Pool, seen: dict[int, Any]) -> None:
+    """Remember the pool's worker processes, whose exit codes say how a vanished worker died."""
     for proc in pool._pool:  # type: ignore[attr-defined]
         seen.setdefault(proc.pid, proc)
-    return [(pid, proc.exitcode) for pid, proc in seen.items() if proc.exitcode not in (None, 0)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -39,7 +40,12 @@ def image_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def run_cli(*args: str | os.PathLike[str], timeout: float = 120, **kwargs: object) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [*BATCHCTL, *map(str, args)], capture_output=True, text=True, timeout=timeout, cwd=ROOT, **kwargs  # type: ignore[call-overload]
+        [*BATCHCTL, *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        **kwargs,  # type: ignore[call-overload]
     )
 
 
@@ -91,7 +97,5 @@ def shm_segments() -> set[str]:
 
 
 def kill_group(proc: subprocess.Popen[str], sig: int = signal.SIGKILL) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass

@@ -25,8 +25,20 @@ def image_files(root: Path) -> set[str]:
 def built(image_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, object]:
     out = tmp_path_factory.mktemp("out") / "data.zarr"
     report = out.parent / "report.json"
-    result = run_cli("build", image_folder, "-o", out, "--batch-size", "8", "--shard-batches", "2",
-                     "--workers", "2", "--report", report)
+    result = run_cli(
+        "build",
+        image_folder,
+        "-o",
+        out,
+        "--batch-size",
+        "8",
+        "--shard-batches",
+        "2",
+        "--workers",
+        "2",
+        "--report",
+        report,
+    )
     assert result.returncode == 0, result.stderr
     return out, report, result
 
@@ -70,7 +82,8 @@ def test_metadata_records_the_build(built: tuple) -> None:
     assert attrs["format_version"] == 1
     assert (attrs["num_samples"], attrs["batch_size"], attrs["num_batches"], attrs["num_shards"]) == (60, 8, 8, 4)
     assert attrs["preprocess"] == {
-        "name": "image", "options": {"resize": 256, "crop": 224, "layout": "hwc", "draft": True}
+        "name": "image",
+        "options": {"resize": 256, "crop": 224, "layout": "hwc", "draft": True},
     }
     assert attrs["batchctl_version"] == batchctl.__version__
     assert attrs["created"] and attrs["errors"] == 0 and attrs["ignored"] == 0
@@ -153,7 +166,9 @@ def test_seed_makes_the_dispatch_order_repeatable(image_folder: Path, tmp_path: 
 @pytest.mark.parametrize("compression", ["blosc", "none"])
 def test_other_compressions_carry_a_checksum(image_folder: Path, tmp_path: Path, compression: str) -> None:
     out = tmp_path / "c.zarr"
-    result = run_cli("build", image_folder / "fish", "-o", out, "--compression", compression, "--crop", "16", "--resize", "16")
+    result = run_cli(
+        "build", image_folder / "fish", "-o", out, "--compression", compression, "--crop", "16", "--resize", "16"
+    )
     assert result.returncode == 0, result.stderr
     codecs = json.loads((out / "image" / "zarr.json").read_text())["codecs"][0]["configuration"]["codecs"]
     assert codecs[-1]["name"] == "crc32c"
@@ -208,7 +223,13 @@ def test_quiet_prints_only_errors(image_folder: Path, tmp_path: Path) -> None:
 
 
 def test_python_api_returns_a_report(image_folder: Path, tmp_path: Path) -> None:
-    report = batchctl.build(image_folder / "dog", tmp_path / "api.zarr", batch_size=5, workers=2, preprocess_options={"crop": 16, "resize": 16})
+    report = batchctl.build(
+        image_folder / "dog",
+        tmp_path / "api.zarr",
+        batch_size=5,
+        workers=2,
+        preprocess_options={"crop": 16, "resize": 16},
+    )
     assert report.status == "complete" and report.samples == 20 and report.batches == 4
     ds = batchctl.open(tmp_path / "api.zarr")
     assert ds[3]["image"].shape == (5, 16, 16, 3)
