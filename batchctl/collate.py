@@ -21,7 +21,7 @@ import zarr
 
 from batchctl import format as fmt
 from batchctl.preprocess import Sample
-from batchctl.workers import TaskOutput, describe_error, ignore_interrupts
+from batchctl.workers import TaskOutput, describe_error, init_child
 
 
 @dataclass(frozen=True)
@@ -200,7 +200,7 @@ class Collator:
 
 def run_collator(config: CollatorConfig, inbox: SimpleQueue[Any], events: Queue[Event]) -> None:
     """Process entry point: collate until the parent's End and every task output it counts arrived."""
-    ignore_interrupts()
+    init_child("batchctl-collator")
     try:
         collator = Collator(config, events)
         while not isinstance(message := inbox.get(), End):

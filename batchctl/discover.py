@@ -37,28 +37,28 @@ class Discovery:
         return digest.hexdigest()
 
 
+class FolderError(OSError):
+    """A folder that cannot be walked (unreadable, or a symlink loop): reported whatever its name."""
+
+
 def walk_files(root: Path) -> Iterable[tuple[str, os.stat_result | OSError]]:
     """Non-hidden files under `root`, recursively, in sorted order, following directory symlinks
     once each (a symlink loop is reported, never followed twice)."""
     seen: set[tuple[int, int]] = set()
 
     def visit(directory: Path, prefix: str) -> Iterable[tuple[str, os.stat_result | OSError]]:
+        name = prefix.rstrip("/") or "."
         try:
             st = directory.stat()
-        except OSError as exc:
-            yield prefix.rstrip("/") or ".", exc
-            return
-        if (st.st_dev, st.st_ino) in seen:
-            yield (
-                prefix.rstrip("/"),
-                OSError(f"symlink loop: {prefix.rstrip('/')} leads back to a folder already walked"),
-            )
-            return
-        seen.add((st.st_dev, st.st_ino))
-        try:
+            if (st.st_dev, st.st_ino) in seen:
+                raise FolderError(f"symlink loop: {name} leads back to a folder already walked")
+            seen.add((st.st_dev, st.st_ino))
             entries = sorted(os.scandir(directory), key=lambda e: e.name)
+        except FolderError as exc:
+            yield name, exc
+            return
         except OSError as exc:
-            yield prefix.rstrip("/") or ".", exc
+            yield name, FolderError(exc.errno, exc.strerror)
             return
         for entry in entries:
             if entry.name.startswith("."):
@@ -91,7 +91,9 @@ def discover(source: Path, accepts: Callable[[str], bool], seed: int | None = No
     ignored = 0
     unreadable: list[tuple[str, str]] = []
     for rel, stat in walk_files(source):
-        if not accepts(rel):
+        if isinstance(stat, FolderError):
+            unreadable.append((rel, stat.strerror or str(stat)))
+        elif not accepts(rel):
             ignored += 1
         elif isinstance(stat, OSError):
             unreadable.append((rel, stat.strerror or str(stat)))

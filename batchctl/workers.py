@@ -8,6 +8,7 @@ crosses the pool: a failing file becomes a `TaskResult` with its error text.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -60,10 +61,13 @@ def mp_context() -> ForkServerContext:
     return ctx
 
 
-def ignore_interrupts() -> None:
-    """Children leave SIGINT to the parent (Ctrl-C hits the whole process group) and die on SIGTERM."""
+def init_child(title: str) -> None:
+    """Children leave SIGINT to the parent (Ctrl-C hits the whole process group), die on SIGTERM,
+    and name themselves so `ps`/`top` show what they are."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    with contextlib.suppress(OSError):
+        Path("/proc/self/comm").write_text(title[:15])
 
 
 class WorkerSlots:
@@ -138,7 +142,7 @@ _worker: dict[str, Any] = {}
 def init_worker(
     preprocess: str, options: Mapping[str, Any], source: Path, outbox: SimpleQueue[Any], slots: WorkerSlots
 ) -> None:
-    ignore_interrupts()
+    init_child("batchctl-worker")
     _worker.update(slots=slots, slot=slots.claim(os.getpid()))
     _worker.update(preprocessor=resolve(preprocess), options=dict(options), source=source, outbox=outbox)
 
