@@ -130,6 +130,87 @@ def build(
     _finish(result, report, quiet)
 
 
+@app.command(epilog=EXIT_CODES)
+def info(
+    path: Annotated[Path, typer.Argument(help="A batchctl dataset.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Show counts, fields, layout, compression, size on disk, classes and build options."""
+    from batchctl.inspect import info as read_info
+
+    try:
+        data = read_info(path)
+    except BatchctlError as exc:
+        _fail(str(exc), 1)
+    if as_json:
+        typer.echo(json.dumps(data, indent=2))
+        return
+    typer.echo(_describe(data))
+
+
+def _describe(data: dict[str, Any]) -> str:
+    lines = [
+        f"{data['path']}: {'complete' if data['complete'] else 'NOT COMPLETE'}",
+        f"  samples {data['num_samples']}, batches {data['num_batches']} of {data['batch_size']}, "
+        f"shards {data['num_shards']} of {data['shard_batches']} batches, {data['bytes'] / 2**20:.1f} MiB on disk",
+        f"  compression {data['compression']}; preprocess {json.dumps(data['preprocess'])}",
+        f"  built {data['created']} by batchctl {data['batchctl_version']} from {data['source']}",
+        f"  skipped with errors {data['errors']}, ignored {data['ignored']}",
+        "  fields:",
+    ]
+    for name, f in data["fields"].items():
+        ratio = f" ratio {f['ratio']}x" if f["ratio"] else ""
+        lines.append(
+            f"    {name:<14} {str(tuple(f['shape'])):<16} {f['dtype']:<8} chunk {f['chunk_rows']} rows, "
+            f"shard {f['shard_rows']} rows, {'+'.join(f['codecs'])}, {f['stored_bytes'] / 2**20:.1f} MiB{ratio}"
+        )
+    if data["class_counts"]:
+        lines.append("  classes: " + ", ".join(f"{k} {v}" for k, v in data["class_counts"].items()))
+    return "\n".join(lines)
+
+
+@app.command(epilog=EXIT_CODES)
+def verify(
+    path: Annotated[Path, typer.Argument(help="A batchctl dataset.")],
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only problems.")] = False,
+) -> None:
+    """Read every chunk of every array: checksums, shapes, counts, unique sources. Exit 1 on any problem."""
+    from tqdm import tqdm
+
+    from batchctl.inspect import verify as run_verify
+    from batchctl.reader import open as open_dataset
+
+    try:
+        total = open_dataset(path, allow_partial=True).num_batches
+        with tqdm(total=total, desc="verify", unit="batch", disable=quiet or not sys.stderr.isatty()) as bar:
+            problems = run_verify(path, on_batch=bar.update)
+    except BatchctlError as exc:
+        _fail(str(exc), 1)
+    for problem in problems:
+        typer.echo(f"batchctl: bad: {problem}", err=True)
+    if problems:
+        _fail(f"{path}: {len(problems)} problems found", 1)
+    if not quiet:
+        typer.echo(f"{path}: sound ({total} batches read and checked)", err=True)
+
+
+@app.command(epilog=EXIT_CODES)
+def preview(
+    path: Annotated[Path, typer.Argument(help="A batchctl dataset.")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="PNG file to write.")],
+    batch: Annotated[int, typer.Option(help="Which batch to show.", min=0)] = 0,
+    count: Annotated[int, typer.Option(help="How many samples of it.", min=1)] = 16,
+) -> None:
+    """Draw samples of one batch into a PNG grid, captioned with their class (or file) names."""
+    from batchctl.preview import preview as draw_preview
+
+    try:
+        drawn = draw_preview(path, output, batch=batch, count=count)
+    except BatchctlError as exc:
+        _fail(str(exc), 1)
+    typer.echo(f"wrote {drawn} samples of batch {batch} to {output}", err=True)
+
+
 def _finish(result: BuildReport, report_path: Path | None, quiet: bool) -> None:
     if report_path is not None:
         result.write(report_path)

@@ -156,6 +156,7 @@ def create_arrays(
             shards=(layout.shard_rows, *row_shape),
             compressors=_compressors(compression),
             dimension_names=("sample", *(f"dim_{i}" for i in range(len(row_shape)))),
+            config={"write_empty_chunks": True},  # every shard is a file, even all-zero ones
         )
     return arrays
 

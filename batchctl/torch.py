@@ -1,0 +1,83 @@
+"""PyTorch adapters (optional: needs `pip install batchctl[torch]`).
+
+`BatchDataset` is map-style over whole batches, for `DataLoader(ds, batch_size=None,
+num_workers=k)`; `IterableBatches` shuffles per epoch and splits batches between
+`torch.distributed` ranks and DataLoader workers. Numeric fields become tensors; `source` stays a
+list of strings.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.utils.data import Dataset as TorchDataset
+from torch.utils.data import IterableDataset, get_worker_info
+
+from batchctl.reader import Batch, Dataset
+
+
+def to_torch(batch: Batch) -> dict[str, Any]:
+    return {
+        name: [str(s) for s in values] if values.dtype.kind in "TUO" else torch.from_numpy(np.ascontiguousarray(values))
+        for name, values in batch.items()
+    }
+
+
+class _Lazy:
+    """Opens the dataset in whichever process first reads it (DataLoader workers each get their own)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        self._ds: Dataset | None = None
+        self.num_batches = len(self.dataset)
+
+    @property
+    def dataset(self) -> Dataset:
+        if self._ds is None:
+            self._ds = Dataset(self.path)
+        return self._ds
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": self.path, "_ds": None, "num_batches": self.num_batches}
+
+
+class BatchDataset(TorchDataset[dict[str, Any]]):
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self._lazy = _Lazy(path)
+
+    def __len__(self) -> int:
+        return self._lazy.num_batches
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return to_torch(self._lazy.dataset[index])
+
+
+class IterableBatches(IterableDataset[dict[str, Any]]):
+    """Each (rank, DataLoader worker) reads a disjoint, equal share of the epoch's batches."""
+
+    def __init__(self, path: str | os.PathLike[str], shuffle: bool = True, seed: int = 0, prefetch: int = 2) -> None:
+        self._lazy = _Lazy(path)
+        self.shuffle, self.seed, self.prefetch, self.epoch = shuffle, seed, prefetch, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def _shard(self) -> tuple[int, int]:
+        rank, world = (
+            (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+        )
+        worker = get_worker_info()
+        if worker is None:
+            return rank, world
+        return rank * worker.num_workers + worker.id, world * worker.num_workers
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        rank, world = self._shard()
+        batches = self._lazy.dataset.iter_batches(self.shuffle, self.seed, self.epoch, rank, world, self.prefetch)
+        for batch in batches:
+            yield to_torch(batch)

@@ -1,0 +1,151 @@
+"""Reading built datasets: the NumPy reader, info/verify/preview, adapters and a second Zarr."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import batchctl
+from batchctl.inspect import verify
+from tests.conftest import run_cli
+
+
+@pytest.fixture(scope="module")
+def dataset(image_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("read") / "data.zarr"
+    result = run_cli(
+        "build", image_folder, "-o", out, "--batch-size", "7", "--shard-batches", "2", "--crop", "24", "--resize", "32"
+    )
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+def test_dataset_shape_and_batches(dataset: Path) -> None:
+    ds = batchctl.open(dataset)
+    assert (ds.num_samples, ds.num_batches, ds.batch_size, len(ds)) == (60, 9, 7, 9)
+    assert ds.classes == ["cat", "dog", "fish"]
+    assert ds.fields["image"] == ((24, 24, 3), np.dtype("uint8"))
+    assert set(ds.fields) == {"image", "label", "source", "source_index"}
+    last = ds[8]
+    assert last["image"].shape == (4, 24, 24, 3) and len(last["source"]) == 4
+    assert ds[-1]["source"].tolist() == last["source"].tolist()
+    with pytest.raises(IndexError):
+        ds[9]
+    row = ds.sample(10)
+    assert np.array_equal(row["image"], ds[1]["image"][3]) and row["source"] == ds[1]["source"][3]
+
+
+def test_iter_batches_shuffles_per_epoch_and_splits_ranks(dataset: Path) -> None:
+    ds = batchctl.open(dataset)
+    plain = [b["source"].tolist() for b in ds.iter_batches()]
+    assert plain == [ds[i]["source"].tolist() for i in range(9)]
+    e0 = ds.batch_order(shuffle=True, seed=1, epoch=0)
+    assert e0 == ds.batch_order(shuffle=True, seed=1, epoch=0) != ds.batch_order(shuffle=True, seed=1, epoch=1)
+    assert sorted(e0) == list(range(9))
+    ranks = [ds.batch_order(shuffle=True, seed=1, epoch=2, rank=r, world_size=4) for r in range(4)]
+    assert all(len(r) == 2 for r in ranks)
+    flat = [i for r in ranks for i in r]
+    assert len(set(flat)) == 8
+    got = [b["source"].tolist() for b in ds.iter_batches(shuffle=True, seed=1, epoch=2, rank=1, world_size=4)]
+    assert got == [ds[i]["source"].tolist() for i in ranks[1]]
+
+
+def test_incomplete_dataset_is_refused_with_advice(dataset: Path, tmp_path: Path) -> None:
+    import shutil
+
+    import zarr
+
+    partial = tmp_path / "partial.zarr"
+    shutil.copytree(dataset, partial)
+    group = zarr.open_group(str(partial), mode="r+")
+    attrs = dict(group.attrs["batchctl"])
+    attrs["complete"] = False
+    group.attrs["batchctl"] = attrs
+    with pytest.raises(batchctl.IncompleteDatasetError, match="rerun `batchctl build`"):
+        batchctl.open(partial)
+    assert isinstance(batchctl.IncompleteDatasetError("x"), batchctl.BatchctlError)
+    assert batchctl.open(partial, allow_partial=True).num_samples == 60
+    with pytest.raises(batchctl.FormatError):
+        batchctl.open(tmp_path / "nothing-here")
+
+
+def test_info_json(dataset: Path) -> None:
+    result = run_cli("info", dataset, "--json")
+    assert result.returncode == 0
+    data = json.loads(result.stdout)
+    assert (data["num_samples"], data["num_batches"], data["batch_size"], data["complete"]) == (60, 9, 7, True)
+    assert data["classes"] == ["cat", "dog", "fish"] and data["class_counts"] == {"cat": 20, "dog": 20, "fish": 20}
+    assert data["fields"]["image"]["shape"] == [24, 24, 3] and data["bytes"] > 0
+    text = run_cli("info", dataset)
+    assert text.returncode == 0 and "samples 60" in text.stdout and "cat 20" in text.stdout
+
+
+def test_verify_passes_then_catches_zeroed_bytes_in_any_shard(dataset: Path, tmp_path: Path) -> None:
+    import shutil
+
+    assert run_cli("verify", dataset).returncode == 0
+    for array in ("image", "source", "label", "source_index"):
+        for shard in ("0", "4"):
+            broken = tmp_path / f"{array}{shard}.zarr"
+            shutil.copytree(dataset, broken)
+            path = (
+                next(p for p in (broken / array / "c" / shard).rglob("*") if p.is_file())
+                if (broken / array / "c" / shard).is_dir()
+                else broken / array / "c" / shard
+            )
+            data = bytearray(path.read_bytes())
+            middle = len(data) // 2
+            data[middle : middle + 4] = b"\0\0\0\0" if data[middle : middle + 4] != b"\0\0\0\0" else b"\1\1\1\1"
+            path.write_bytes(bytes(data))
+            problems = verify(broken)
+            assert problems, (array, shard)
+            result = run_cli("verify", broken)
+            assert result.returncode == 1 and f"{array} batch" in result.stderr, (array, shard, result.stderr)
+    missing = tmp_path / "missing.zarr"
+    shutil.copytree(dataset, missing)
+    (missing / "label" / "c" / "1").unlink()
+    result = run_cli("verify", missing)
+    assert result.returncode == 1 and "label shard 1: shard file is missing" in result.stderr
+
+
+def test_preview_draws_a_grid(dataset: Path, tmp_path: Path) -> None:
+    out = tmp_path / "grid.png"
+    result = run_cli("preview", dataset, "-o", out, "--batch", "2", "--count", "6")
+    assert result.returncode == 0, result.stderr
+    with Image.open(out) as img:
+        assert img.size == (3 * 160, 2 * 176)
+        assert len(set(map(tuple, np.asarray(img).reshape(-1, 3)[::97].tolist()))) > 50  # pictures, not a blank sheet
+
+
+def test_tensorstore_reads_identical_arrays(dataset: Path) -> None:
+    ts = pytest.importorskip("tensorstore")
+    ds = batchctl.open(dataset)
+    for name in ("image", "label", "source_index"):
+        store = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(dataset / name)}}).result()
+        assert np.array_equal(store.read().result(), np.concatenate([ds[i][name] for i in range(len(ds))]))
+
+
+def test_torch_adapters(dataset: Path) -> None:
+    pytest.importorskip("torch")
+    from torch.utils.data import DataLoader
+
+    from batchctl.torch import BatchDataset, IterableBatches
+
+    loader = DataLoader(BatchDataset(dataset), batch_size=None, num_workers=2)
+    batches = list(loader)
+    assert len(batches) == 9 and batches[0]["image"].shape == (7, 24, 24, 3)
+    assert sorted(s for b in batches for s in b["source"]) == sorted(
+        str(s) for b in batchctl.open(dataset) for s in b["source"]
+    )
+    iterable = IterableBatches(dataset, shuffle=True, seed=3)
+    iterable.set_epoch(1)
+    seen = [s for b in DataLoader(iterable, batch_size=None, num_workers=2) for s in b["source"]]
+    ds = batchctl.open(dataset)
+    chosen = [i for r in range(2) for i in ds.batch_order(shuffle=True, seed=3, epoch=1, rank=r, world_size=2)]
+    assert len(chosen) == 8  # 9 batches over 2 workers: 4 each, disjoint
+    assert sorted(seen) == sorted(str(s) for i in chosen for s in ds[i]["source"])
+    assert len(seen) == len(set(seen))
