@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
+import math
 import os
 import time
 from collections.abc import Mapping
@@ -15,7 +17,7 @@ import zarr
 from batchctl import __version__, staging
 from batchctl import format as fmt
 from batchctl.collate import CollatorConfig, Rejected
-from batchctl.discover import Discovery, discover
+from batchctl.discover import Discovery, WorkItem, discover
 from batchctl.errors import BuildFailed, BuildInterrupted, FormatError, ResumeMismatchError, UsageError
 from batchctl.pipeline import Pipeline, PipelineConfig, PipelineError, Signalled, signals_raise
 from batchctl.preprocess import Preprocessor, resolve
@@ -23,6 +25,8 @@ from batchctl.progress import Progress
 from batchctl.report import BuildReport, FileError
 from batchctl.staging import BuildLock, BuildPaths
 from batchctl.workers import Task, TaskResult
+
+PART_BYTES = 16 * 2**20  # big files are split into parts of about this much input
 
 
 def default_workers() -> int:
@@ -44,6 +48,7 @@ class BuildOptions:
     resume: bool = True
     force: bool = False
     timeout: float | None = None
+    include: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.timeout is not None and not self.timeout > 0:
@@ -73,6 +78,7 @@ def dataset_spec(options: BuildOptions, preprocessor: Preprocessor, pp_options: 
         "shard_batches": options.shard_batches,
         "compression": options.compression,
         "preprocess": {"name": preprocessor.name, "options": dict(pp_options)},
+        "include": list(options.include),
     }
 
 
@@ -92,7 +98,7 @@ def build(
 class _Builder:
     def __init__(self, source: Path, output: Path, options: BuildOptions, progress: Progress) -> None:
         self.source, self.output, self.options, self.progress = source, output, options, progress
-        self.preprocessor = resolve(options.preprocess)
+        self.preprocessor = dataclasses.replace(resolve(options.preprocess), include=tuple(options.include))
         self.pp_options = self.preprocessor.options(options.preprocess_options)
         self.spec = dataset_spec(options, self.preprocessor, self.pp_options)
         self.paths = BuildPaths(output)
@@ -127,13 +133,14 @@ class _Builder:
         if not discovery.items:
             raise BuildFailed(
                 f"nothing to build: no file under {self.source} is taken by the {self.preprocessor.name!r} "
-                f"preprocessor ({', '.join(self.preprocessor.extensions or ('any',))})",
+                f"preprocessor ({', '.join(self.preprocessor.include or self.preprocessor.extensions or ('any',))})",
                 self.report,
             )
         tasks = self._plan(discovery)
         for relpath, reason in discovery.unreadable:
             self._error(relpath, reason)
-        self.progress.start(len(discovery.items), self.report.resumed_shards * self._shard_batches_on_disk())
+        split = any(task.part for task in tasks)
+        self.progress.start(len(tasks), self.report.resumed_shards * self._shard_batches_on_disk(), split)
         config = PipelineConfig(
             self.preprocessor,
             self.pp_options,
@@ -150,8 +157,6 @@ class _Builder:
                 resume_shards=self.report.resumed_shards,
             ),
         )
-        for _ in range(len(discovery.items) - len(tasks)):
-            self.progress.file_done()
         finished = Pipeline(config, self.progress, self._on_result, self._on_rejected).run(tasks)
         self.progress.close()
         if finished.samples == 0:
@@ -194,7 +199,7 @@ class _Builder:
         group = zarr.open_group(str(self.paths.staging), mode="w")
         fmt.write_attrs(group, self._attrs(discovery, "", 0, 0, self.options.shard_batches or 0, {}, complete=False))
         staging.write_state(self.paths, {"spec": self.spec, "source": str(self.source), "classes": discovery.classes})
-        return [Task(index, item) for index, item in enumerate(discovery.items)]
+        return self._tasks(discovery, {})
 
     def _resume(self, discovery: Discovery, state: Mapping[str, Any]) -> list[Task] | None:
         """Tasks still to do after an interrupted run, or None when it cannot be trusted."""
@@ -202,14 +207,14 @@ class _Builder:
             self.progress.info("the class folders changed since the interrupted build; starting over")
             return None
         shards = staging.read_journal(self.paths)
-        written: dict[str, list[Any]] = {}
+        written: dict[tuple[str, int], list[Any]] = {}  # (file, first sample of part) -> count, finished, stamp
         for shard in shards:
-            for relpath, count, finished, size, mtime_ns in shard["files"]:
-                entry = written.setdefault(relpath, [0, False, size, mtime_ns])
+            for relpath, count, finished, size, mtime_ns, first in shard["files"]:
+                entry = written.setdefault((relpath, first), [0, False, size, mtime_ns])
                 entry[0] += count
                 entry[1] = entry[1] or finished
         current = {item.relpath: item for item in discovery.items}
-        for relpath, (_, _, size, mtime_ns) in written.items():
+        for (relpath, _), (_, _, size, mtime_ns) in written.items():
             item = current.get(relpath)
             if item is None or (item.size, item.mtime_ns) != (size, mtime_ns):
                 self.progress.info(f"{relpath} changed or vanished since the interrupted build; starting over")
@@ -224,11 +229,31 @@ class _Builder:
         self.report.resumed_shards = len(shards)
         if shards:
             self.progress.info(f"resuming: {len(shards)} shards kept from the interrupted build")
-        todo = [item for item in discovery.items if not (item.relpath in written and written[item.relpath][1])]
-        return [
-            Task(index, item, skip=written[item.relpath][0] if item.relpath in written else 0)
-            for index, item in enumerate(todo)
-        ]
+        return self._tasks(discovery, written)
+
+    def _tasks(self, discovery: Discovery, written: Mapping[tuple[str, int], list[Any]]) -> list[Task]:
+        """One task per file, or per part of a big file; what an interrupted run finished is left
+        out and what it wrote of a part is skipped."""
+        tasks: list[Task] = []
+        for item in discovery.items:
+            for part in self._parts(item):
+                count, finished = written.get((item.relpath, part[0] if part else 0), (0, False))[:2]
+                if not finished:
+                    tasks.append(Task(len(tasks), item, part, skip=count))
+        return tasks
+
+    def _parts(self, item: WorkItem) -> list[tuple[int, int] | None]:
+        """Sample ranges of about PART_BYTES of input each, for files the preprocessor can count."""
+        if self.preprocessor.count is None or item.size <= PART_BYTES:
+            return [None]
+        try:
+            total = self.preprocessor.count(self.source / item.relpath, **self.pp_options)
+        except Exception:  # noqa: BLE001 - the worker will meet the same problem and report it
+            return [None]
+        if not total or total < 2:
+            return [None]
+        per_part = max(1, math.ceil(total * PART_BYTES / item.size))
+        return [(start, min(start + per_part, total)) for start in range(0, total, per_part)]
 
     def _shard_batches_on_disk(self) -> int:
         try:
@@ -238,7 +263,8 @@ class _Builder:
         return int(source.shards[0] // source.chunks[0])  # type: ignore[index]
 
     def _on_result(self, result: TaskResult) -> None:
-        self.report.processed += 1
+        if result.task.first == 0:
+            self.report.processed += 1  # files, not parts: a file's first part counts it
         self.new_samples += result.samples
         if result.error is not None:
             self._error(result.task.item.relpath, result.error)

@@ -66,12 +66,21 @@ def build(
     output: Annotated[Path, typer.Option("-o", "--output", help="Where to write the Zarr v3 dataset.")],
     batch_size: Annotated[int, typer.Option(help="Samples per batch (= rows per chunk).", min=1)] = 64,
     workers: Annotated[Optional[int], typer.Option(help="Preprocessing processes (default: all cores).", min=1)] = None,
-    preprocess: Annotated[str, typer.Option(help="Preprocessor: image.")] = "image",
+    preprocess: Annotated[
+        str, typer.Option(help="image, audio, npy, or your own as package.module:function or file.py:function.")
+    ] = "image",
+    include: Annotated[
+        Optional[list[str]], typer.Option("--include", help="Take only files matching this glob (repeatable).")
+    ] = None,
     resize: Annotated[
         Optional[int], typer.Option(help="image: shorter side after resizing (default 256).", min=1)
     ] = None,
     crop: Annotated[Optional[int], typer.Option(help="image: side of the centre crop (default 224).", min=1)] = None,
     layout: Annotated[Optional[str], typer.Option(help="image: pixel layout hwc or chw (default hwc).")] = None,
+    sample_rate: Annotated[Optional[int], typer.Option(help="audio: output rate in Hz (default 16000).", min=1)] = None,
+    clip_seconds: Annotated[Optional[float], typer.Option(help="audio: clip length (default 1.0).", min=0.001)] = None,
+    key: Annotated[Optional[str], typer.Option(help="npy: the array to take from .npz files.")] = None,
+    split_rows: Annotated[bool, typer.Option("--split-rows", help="npy: each row along axis 0 is a sample.")] = False,
     option: Annotated[
         Optional[list[str]], typer.Option("--option", help="Preprocessor option key=value (repeatable).")
     ] = None,
@@ -104,14 +113,22 @@ def build(
         "resume": resume,
         "force": force,
         "timeout": timeout,
+        "include": tuple(include or ()),
     }
     if workers is not None:
         options["workers"] = workers
     try:
         pp_options = dict(_parse_option(text) for text in option or [])
-        for key, value in (("resize", resize), ("crop", crop), ("layout", layout)):
-            if value is not None:
-                pp_options[key] = value
+        named = {
+            "resize": resize,
+            "crop": crop,
+            "layout": layout,
+            "sample_rate": sample_rate,
+            "clip_seconds": clip_seconds,
+            "key": key,
+            "split_rows": split_rows or None,
+        }
+        pp_options.update({name: value for name, value in named.items() if value is not None})
         options["preprocess_options"] = pp_options
         from batchctl.build import build as run_build
 

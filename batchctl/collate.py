@@ -153,18 +153,20 @@ class Collator:
             row = self.shard.rows
             for name, value in sample.items():
                 self.shard.columns[name][row] = value
-            self.shard.columns[fmt.SOURCE_INDEX][row] = output.task.skip + offset
+            self.shard.columns[fmt.SOURCE_INDEX][row] = output.task.first + output.task.skip + offset
             if self.config.labelled:
                 self.shard.columns[fmt.LABEL][row] = item.label
             self.shard.sources.append(item.relpath)
             in_shard += 1
             if self.shard.rows == self.layout.shard_rows:
                 finished = offset == len(output.samples) - 1
-                self.shard.entries.append([item.relpath, in_shard, finished, item.size, item.mtime_ns])
+                self.shard.entries.append(
+                    [item.relpath, in_shard, finished, item.size, item.mtime_ns, output.task.first]
+                )
                 in_shard = 0
                 self._write(journal=True)
         if in_shard:
-            self.shard.entries.append([item.relpath, in_shard, True, item.size, item.mtime_ns])
+            self.shard.entries.append([item.relpath, in_shard, True, item.size, item.mtime_ns, output.task.first])
 
     def _write(self, journal: bool) -> None:
         assert self.layout is not None and self.shard is not None

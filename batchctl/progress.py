@@ -18,7 +18,8 @@ LOG_INTERVAL_S = 5.0
 class Progress:
     """Silent progress: the default for code that calls `build()`."""
 
-    def start(self, files: int, batches_done: int) -> None: ...
+    def start(self, tasks: int, batches_done: int, split: bool = False) -> None:
+        """`tasks` files to preprocess (parts of files when `split`), `batches_done` kept from before."""
 
     def file_done(self) -> None: ...
 
@@ -39,13 +40,14 @@ class ConsoleProgress(Progress):
         self.files: tqdm | None = None
         self.batches: tqdm | None = None
         self.total = self.done = self.batch_count = 0
+        self.unit = "file"
         self.started = self.last_log = time.monotonic()
 
-    def start(self, files: int, batches_done: int) -> None:
-        self.total, self.batch_count = files, batches_done
+    def start(self, tasks: int, batches_done: int, split: bool = False) -> None:
+        self.total, self.batch_count, self.unit = tasks, batches_done, "part" if split else "file"
         self.started = self.last_log = time.monotonic()
         if self.bars:
-            self.files = tqdm(total=files, desc="preprocess", unit="file", file=self.stream, dynamic_ncols=True)
+            self.files = tqdm(total=tasks, desc="preprocess", unit=self.unit, file=self.stream, dynamic_ncols=True)
             self.batches = tqdm(initial=batches_done, desc="write", unit="batch", file=self.stream, dynamic_ncols=True)
 
     def file_done(self) -> None:
@@ -68,7 +70,7 @@ class ConsoleProgress(Progress):
         rate = self.done / max(now - self.started, 1e-9)
         eta = (self.total - self.done) / rate if rate else float("inf")
         self._write(
-            f"batchctl: {self.done}/{self.total} files ({rate:.1f}/s, ETA {eta:.0f} s), "
+            f"batchctl: {self.done}/{self.total} {self.unit}s ({rate:.1f}/s, ETA {eta:.0f} s), "
             f"{self.batch_count} batches written"
         )
 

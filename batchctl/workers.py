@@ -32,7 +32,13 @@ class Task:
 
     index: int
     item: WorkItem
-    skip: int = 0  # samples of this file already written by an interrupted run
+    part: tuple[int, int] | None = None  # a range of the file's samples, for big files
+    skip: int = 0  # samples of this task already written by an interrupted run
+
+    @property
+    def first(self) -> int:
+        """The file's sample number (`source_index`) of this task's first sample."""
+        return self.part[0] if self.part else 0
 
 
 @dataclass(frozen=True)
@@ -168,7 +174,7 @@ def _preprocess(task: Task) -> TaskResult:
     preprocessor: Preprocessor = _worker["preprocessor"]
     path = _worker["source"] / task.item.relpath
     try:
-        samples = list(preprocessor.samples(path, _worker["options"]))
+        samples = list(preprocessor.samples(path, _worker["options"], task.part))
     except Exception as exc:  # noqa: BLE001 - any failure of one file is that file's error
         return TaskResult(task, 0, describe_error(exc).replace(f" '{path}'", "").replace(str(path), task.item.relpath))
     if not samples:

@@ -22,3 +22,16 @@ def crash_on(path: Path, name: str = "", crop: int = 32) -> dict[str, np.ndarray
     if path.name == name:
         os.kill(os.getpid(), 9)
     return preprocess_image(path, resize=crop, crop=crop)
+
+
+def raises_for_bad(path: Path) -> dict[str, np.ndarray]:
+    """One float32 vector from the file's bytes; a file named bad.* raises."""
+    if path.stem == "bad":
+        raise ValueError(f"{path.name} is marked bad")
+    data = np.frombuffer(path.read_bytes(), dtype=np.uint8)
+    return {"vec": data[:8].astype(np.float32), "length": len(data)}
+
+
+def shape_changes(path: Path) -> dict[str, np.ndarray]:
+    """Shape (4,) for every file but odd.bin, which gives (5,)."""
+    return {"vec": np.full(5 if path.name == "odd.bin" else 4, len(path.name), np.int32)}

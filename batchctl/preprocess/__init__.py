@@ -7,6 +7,7 @@ contract is written down in docs/preprocessors.md.
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import importlib
 import importlib.util
@@ -34,8 +35,17 @@ class Preprocessor:
     fn: PreprocessFn
     extensions: tuple[str, ...] | None = None
     defaults: Mapping[str, Any] = field(default_factory=dict)
+    # For preprocessors that yield many samples per file: `count(path, **options)` says how many
+    # (cheaply, from the header), and `fn` then takes `part=(start, stop)` to yield just those,
+    # so a big file is split into parts that several workers take.
+    count: Callable[..., int | None] | None = None
+    include: tuple[str, ...] = ()  # --include globs: replace the extension filter when given
+    check: Callable[[Mapping[str, Any]], None] | None = None  # raises UsageError for bad options
 
     def accepts(self, relpath: str) -> bool:
+        if self.include:
+            name = relpath.rsplit("/", 1)[-1]
+            return any(fnmatch.fnmatchcase(relpath, g) or fnmatch.fnmatchcase(name, g) for g in self.include)
         if self.extensions is None:
             return True
         return relpath.lower().endswith(self.extensions)
@@ -48,11 +58,14 @@ class Preprocessor:
                 f"Preprocessor {self.name!r} takes options {', '.join(sorted(self.defaults))}; "
                 f"got {', '.join(unknown)} instead."
             )
-        return {**self.defaults, **given}
+        merged = {**self.defaults, **given}
+        if self.check is not None:
+            self.check(merged)
+        return merged
 
-    def samples(self, path: Path, options: Mapping[str, Any]) -> Iterator[Sample]:
+    def samples(self, path: Path, options: Mapping[str, Any], part: tuple[int, int] | None = None) -> Iterator[Sample]:
         """Run the function and normalise its result to a stream of samples of arrays."""
-        result = self.fn(path, **options)
+        result = self.fn(path, **options) if part is None else self.fn(path, **options, part=part)
         stream = [result] if isinstance(result, Mapping) else result
         for raw in stream:
             if not isinstance(raw, Mapping) or not raw:
@@ -61,9 +74,9 @@ class Preprocessor:
 
 
 def builtins() -> dict[str, Preprocessor]:
-    from batchctl.preprocess import image
+    from batchctl.preprocess import audio, image, npy
 
-    return {"image": image.PREPROCESSOR}
+    return {p.name: p for p in (image.PREPROCESSOR, audio.PREPROCESSOR, npy.PREPROCESSOR)}
 
 
 def resolve(spec: str) -> Preprocessor:
@@ -79,13 +92,15 @@ def resolve(spec: str) -> Preprocessor:
             f"Expected --preprocess one of {', '.join(sorted(registry))} or module:function, got {spec!r} instead."
         )
     where, _, attr = spec.rpartition(":")
+    if where.endswith(".py"):
+        where = str(Path(where).absolute())  # workers may resolve it from elsewhere
     module = _load_module(where, spec)
     fn = getattr(module, attr, None)
     if fn is None:
         raise UsageError(f"--preprocess {spec}: {where} has no function {attr!r}.")
     if not callable(fn):
         raise UsageError(f"--preprocess {spec}: {attr!r} is a {type(fn).__name__}, not a function.")
-    return Preprocessor(name=spec, fn=fn)
+    return Preprocessor(name=f"{where}:{attr}", fn=fn)
 
 
 def _load_module(where: str, spec: str) -> ModuleType:

@@ -9,11 +9,14 @@ bound (mean absolute difference <= 3 grey levels; tests/test_image.py measures i
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from PIL import Image, ImageOps
 
+from batchctl.errors import UsageError
 from batchctl.preprocess import Preprocessor
 
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
@@ -63,9 +66,18 @@ def preprocess_image(
     return {"image": np.ascontiguousarray(pixels)}
 
 
+def check_options(options: Mapping[str, Any]) -> None:
+    if options["layout"] not in ("hwc", "chw"):
+        raise UsageError(f"Expected --layout hwc or chw, got {options['layout']!r} instead.")
+    for name in ("resize", "crop"):
+        if not isinstance(options[name], int) or options[name] < 1:
+            raise UsageError(f"Expected --{name} to be a positive integer, got {options[name]!r} instead.")
+
+
 PREPROCESSOR = Preprocessor(
     name="image",
     fn=preprocess_image,
     extensions=EXTENSIONS,
     defaults={"resize": 256, "crop": 224, "layout": "hwc", "draft": True},
+    check=check_options,
 )

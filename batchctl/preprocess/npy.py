@@ -1,0 +1,56 @@
+"""`.npy` / `.npz` arrays: each file one sample (field `array`, dtype kept), or with `split_rows`
+each row along axis 0 its own sample (`source_index` = row number). Big `.npy` files are memory
+mapped and split into row ranges that workers take independently."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from batchctl.preprocess import Preprocessor
+
+
+def load_array(path: Path, key: str | None = None) -> np.ndarray:
+    if path.suffix.lower() == ".npz":
+        with np.load(path, allow_pickle=False) as archive:
+            names = list(archive.files)
+            if key is None:
+                if len(names) != 1:
+                    raise KeyError(f"the archive holds {', '.join(names)}: choose one with --key")
+                key = names[0]
+            if key not in names:
+                raise KeyError(f"no array {key!r} in the archive (it holds {', '.join(names)})")
+            return archive[key]
+    return np.load(path, mmap_mode="r", allow_pickle=False)
+
+
+def preprocess_npy(
+    path: Path, key: str | None = None, split_rows: bool = False, part: tuple[int, int] | None = None
+) -> dict[str, np.ndarray] | Iterator[dict[str, np.ndarray]]:
+    array = load_array(path, key)
+    if not split_rows:
+        return {"array": np.array(array)}
+    if array.ndim == 0:
+        raise ValueError("a 0-d array has no rows to split")
+    start, stop = part if part is not None else (0, len(array))
+    block = np.array(array[start:stop])  # one read of the whole part, then rows as views
+    return ({"array": row} for row in block)
+
+
+def count_rows(path: Path, key: str | None = None, split_rows: bool = False) -> int | None:
+    """Rows of a `.npy` file from its header alone; None when the file is not to be split."""
+    if not split_rows or path.suffix.lower() != ".npy":
+        return None
+    shape = np.load(path, mmap_mode="r", allow_pickle=False).shape
+    return int(shape[0]) if shape else None
+
+
+PREPROCESSOR = Preprocessor(
+    name="npy",
+    fn=preprocess_npy,
+    extensions=(".npy", ".npz"),
+    defaults={"key": None, "split_rows": False},
+    count=count_rows,
+)
