@@ -139,34 +139,31 @@ class Collator:
         return _Shard(columns)
 
     def add(self, output: TaskOutput) -> None:
-        item = output.task.item
+        """Copy a task's rows into the shard being filled, writing each shard as it fills up."""
+        task, item = output.task, output.task.item
+        first_row = {name: column[0] for name, column in output.columns.items()}
         if self.schema is None:
-            self._start(output.samples[0])
+            self._start(first_row)
         assert self.schema is not None and self.layout is not None and self.shard is not None
-        for sample in output.samples:
-            reason = check_schema(self.schema, sample)
-            if reason:
-                self.events.put(Rejected(item.relpath, reason, len(output.samples)))
-                return
-        in_shard = 0
-        for offset, sample in enumerate(output.samples):
-            row = self.shard.rows
-            for name, value in sample.items():
-                self.shard.columns[name][row] = value
-            self.shard.columns[fmt.SOURCE_INDEX][row] = output.task.first + output.task.skip + offset
+        reason = check_schema(self.schema, first_row)  # the worker checked its rows agree
+        if reason:
+            self.events.put(Rejected(item.relpath, reason, output.rows))
+            return
+        done = 0
+        while done < output.rows:
+            shard, start = self.shard, self.shard.rows
+            take = min(output.rows - done, self.layout.shard_rows - start)
+            for name, column in output.columns.items():
+                shard.columns[name][start : start + take] = column[done : done + take]
+            first_index = task.first + task.skip + done
+            shard.columns[fmt.SOURCE_INDEX][start : start + take] = np.arange(first_index, first_index + take)
             if self.config.labelled:
-                self.shard.columns[fmt.LABEL][row] = item.label
-            self.shard.sources.append(item.relpath)
-            in_shard += 1
-            if self.shard.rows == self.layout.shard_rows:
-                finished = offset == len(output.samples) - 1
-                self.shard.entries.append(
-                    [item.relpath, in_shard, finished, item.size, item.mtime_ns, output.task.first]
-                )
-                in_shard = 0
+                shard.columns[fmt.LABEL][start : start + take] = item.label
+            shard.sources.extend([item.relpath] * take)
+            done += take
+            shard.entries.append([item.relpath, take, done == output.rows, item.size, item.mtime_ns, task.first])
+            if shard.rows == self.layout.shard_rows:
                 self._write(journal=True)
-        if in_shard:
-            self.shard.entries.append([item.relpath, in_shard, True, item.size, item.mtime_ns, output.task.first])
 
     def _write(self, journal: bool) -> None:
         assert self.layout is not None and self.shard is not None
@@ -206,7 +203,8 @@ def run_collator(config: CollatorConfig, inbox: SimpleQueue[Any], events: Queue[
     try:
         collator = Collator(config, events)
         while not isinstance(message := inbox.get(), End):
-            collator.add(message)
+            for output in message:  # one worker's chunk
+                collator.add(output)
         events.put(collator.finish())
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails the build
         events.put(Crashed(f"the collator failed writing {config.dataset}: {describe_error(exc)}"))

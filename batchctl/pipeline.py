@@ -30,14 +30,15 @@ from batchctl.workers import (
     Task,
     TaskResult,
     WorkerSlots,
+    chunked,
     exit_codes,
     mp_context,
-    run_task,
+    run_chunk,
     start_pool,
 )
 
 HEALTH_CHECK_S = 1.0  # how long a blocking wait lasts before the children are checked on
-TASKS_PER_WORKER = 4  # tasks in flight per worker: enough to keep it busy, few enough to stay small
+CHUNKS_PER_WORKER = 3  # chunks in flight per worker: enough to keep it busy, few enough to stay small
 
 
 class Signalled(BaseException):
@@ -103,6 +104,7 @@ class Pipeline:
         self.feed: BoundedFeed | None = None
         self.slots = WorkerSlots(self.ctx, 2 * config.workers + 8)
         self.pending: dict[int, Task] = {}
+        self.chunk_of: dict[int, list[Task]] = {}
         self.seen_workers: dict[int, Any] = {}
         self.timed_out: set[int] = set()
         self.lost_workers = 0
@@ -127,13 +129,19 @@ class Pipeline:
                 self.ctx, cfg.workers, cfg.preprocessor.name, cfg.options, cfg.source, self.inbox, self.slots
             )
             exit_codes(self.pool, self.seen_workers)
-            self.feed = BoundedFeed(tasks, TASKS_PER_WORKER * cfg.workers)
-            results = self.pool.imap_unordered(run_task, self.feed)
+            chunks = chunked(tasks, cfg.workers)
+            self.chunk_of = {task.index: chunk for chunk in chunks for task in chunk}
+            self.feed = BoundedFeed(chunks, CHUNKS_PER_WORKER * cfg.workers)
+            results = self.pool.imap_unordered(run_chunk, self.feed)
             while self.pending:
-                result = self._next_result(results)
-                if result is not None and self.pending.pop(result.task.index, None) is not None:
-                    self._done(result)
+                chunk_results = self._next_results(results)
+                if chunk_results is not None:
+                    self.feed.consumed()
+                    for result in chunk_results:
+                        if self.pending.pop(result.task.index, None) is not None:
+                            self._done(result)
                 self._drain_events()
+            self.feed.stop()
         self.inbox.put(End())  # after every worker's output: puts are complete when results return
         finished = self._wait_finished()
         if self.pool is not None:
@@ -145,19 +153,17 @@ class Pipeline:
         return finished
 
     def _done(self, result: TaskResult) -> None:
-        assert self.feed is not None
-        self.feed.consumed()
         self.progress.file_done()
         self.on_result(result)
 
-    def _next_result(self, results: Any) -> TaskResult | None:
-        """The next result, or None after a lost task was accounted for instead."""
+    def _next_results(self, results: Any) -> list[TaskResult] | None:
+        """The results of the next chunk, or None after a lost task was accounted for instead."""
         while True:
             if time.monotonic() - self.last_check >= HEALTH_CHECK_S and self._check_children():
                 return None
             try:
-                result: TaskResult = results.next(timeout=HEALTH_CHECK_S)
-                return result
+                chunk_results: list[TaskResult] = results.next(timeout=HEALTH_CHECK_S)
+                return chunk_results
             except mp.TimeoutError:
                 self._drain_events()
 
@@ -187,6 +193,7 @@ class Pipeline:
             code = None if proc is None else proc.exitcode
             if task is None:
                 continue
+            self._retry_rest_of_chunk(task)
             if pid in self.timed_out:
                 reason = f"timed out after {timeout:g} s (--timeout); its worker was killed"
             else:
@@ -194,6 +201,14 @@ class Pipeline:
             self._done(TaskResult(task, 0, reason))
             accounted = True
         return accounted
+
+    def _retry_rest_of_chunk(self, lost: Task) -> None:
+        """The dead worker's chunk sent nothing: hand its other tasks out again."""
+        assert self.feed is not None
+        rest = [task for task in self.chunk_of.pop(lost.index, []) if task.index in self.pending]
+        for task in rest:
+            self.chunk_of[task.index] = rest
+        self.feed.retry(rest)
 
     def _drain_events(self, block: bool = False) -> Finished | None:
         while True:

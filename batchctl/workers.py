@@ -14,7 +14,8 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections import deque
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from multiprocessing.context import BaseContext, ForkServerContext
 from multiprocessing.pool import Pool
@@ -22,6 +23,9 @@ from multiprocessing.queues import SimpleQueue
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from batchctl import format as fmt
 from batchctl.discover import WorkItem
 from batchctl.preprocess import Preprocessor, Sample, resolve
 
@@ -43,10 +47,15 @@ class Task:
 
 @dataclass(frozen=True)
 class TaskOutput:
-    """What a worker sends the collator: all samples of one task, in order, in one message."""
+    """The samples of one task, stacked field by field (row i of each column is sample i), so the
+    collator copies whole blocks instead of looping over samples."""
 
     task: Task
-    samples: list[Sample]
+    columns: dict[str, np.ndarray]
+
+    @property
+    def rows(self) -> int:
+        return len(next(iter(self.columns.values())))
 
 
 @dataclass(frozen=True)
@@ -142,6 +151,10 @@ def _now_ms() -> int:
     return time.monotonic_ns() // 1_000_000
 
 
+CHUNK_BYTES = 2 * 2**20  # input bytes in one chunk, at most (a big file's part is a chunk of its own)
+MAX_CHUNK_TASKS = 256
+MIN_CHUNKS_PER_WORKER = 16
+
 _worker: dict[str, Any] = {}
 
 
@@ -161,57 +174,114 @@ def describe_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
-def run_task(task: Task) -> TaskResult:
+def run_chunk(tasks: list[Task]) -> list[TaskResult]:
+    """Preprocess a chunk of tasks and send their outputs to the collator in one message.
+
+    The slot names the task being worked on until the message is sent, so a worker killed at any
+    point is charged to one file; the parent hands the rest of the chunk out again.
+    """
     slots: WorkerSlots = _worker["slots"]
-    slots.begin(_worker["slot"], task.index)
+    results, outputs = [], []
     try:
-        return _preprocess(task)
+        for task in tasks:
+            slots.begin(_worker["slot"], task.index)
+            result, output = _preprocess(task)
+            results.append(result)
+            if output is not None:
+                outputs.append(output)
+        if outputs:
+            _worker["outbox"].put(outputs)
     finally:
         slots.end(_worker["slot"])
+    return results
 
 
-def _preprocess(task: Task) -> TaskResult:
+def _preprocess(task: Task) -> tuple[TaskResult, TaskOutput | None]:
     preprocessor: Preprocessor = _worker["preprocessor"]
     path = _worker["source"] / task.item.relpath
     try:
         samples = list(preprocessor.samples(path, _worker["options"], task.part))
+        if not samples:
+            raise ValueError("the preprocessor produced no samples")
+        columns = stack_samples(samples[task.skip :]) if len(samples) > task.skip else None
     except Exception as exc:  # noqa: BLE001 - any failure of one file is that file's error
-        return TaskResult(task, 0, describe_error(exc).replace(f" '{path}'", "").replace(str(path), task.item.relpath))
-    if not samples:
-        return TaskResult(task, 0, "the preprocessor produced no samples")
-    if task.skip:
-        samples = samples[task.skip :]
-    if samples:
-        _worker["outbox"].put(TaskOutput(task, samples))
-    return TaskResult(task, len(samples))
+        reason = describe_error(exc).replace(f" '{path}'", "").replace(str(path), task.item.relpath)
+        return TaskResult(task, 0, reason), None
+    if columns is None:
+        return TaskResult(task, 0), None
+    output = TaskOutput(task, columns)
+    return TaskResult(task, output.rows), output
+
+
+def stack_samples(samples: list[Sample]) -> dict[str, np.ndarray]:
+    """Samples -> one column per field; a file whose samples disagree in shape is refused."""
+    first = {name: fmt.FieldSpec.of(value) for name, value in samples[0].items()}
+    for number, sample in enumerate(samples[1:], start=1):
+        if sample.keys() != first.keys() or any(fmt.FieldSpec.of(v) != first[k] for k, v in sample.items()):
+            raise ValueError(f"sample {number} of this file does not match its first sample's fields and shapes")
+    return {name: np.stack([sample[name] for sample in samples]) for name in first}
 
 
 class BoundedFeed:
-    """Feeds a pool at most `window` tasks ahead of the results consumed.
+    """Feeds a pool chunks of tasks, at most `window` chunks ahead of the results consumed.
 
-    `Pool.imap_unordered` pulls its whole input eagerly; this iterator blocks the pool's feeder
-    thread on a semaphore that each consumed result releases, so memory stays flat.
+    `Pool.imap_unordered` pulls its input eagerly; this iterator blocks the pool's feeder thread
+    on a condition until a result is consumed, so memory stays flat. It ends only on `stop()`,
+    so tasks of a lost worker can still be handed out again (`retry`).
     """
 
-    def __init__(self, tasks: Iterable[Task], window: int) -> None:
-        self._tasks = tasks
-        self._slots = threading.Semaphore(window)
+    def __init__(self, chunks: list[list[Task]], window: int) -> None:
+        self._todo = deque(chunks)
+        self._window = window
+        self._in_flight = 0
         self._stopped = False
+        self._changed = threading.Condition()
 
-    def __iter__(self) -> Iterator[Task]:
-        for task in self._tasks:
-            self._slots.acquire()
-            if self._stopped:
-                return
-            yield task
+    def __iter__(self) -> Iterator[list[Task]]:
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: self._stopped or (self._todo and self._in_flight < self._window))
+                if self._stopped:
+                    return
+                chunk = self._todo.popleft()
+                self._in_flight += 1
+            yield chunk
 
     def consumed(self) -> None:
-        self._slots.release()
+        with self._changed:
+            self._in_flight -= 1
+            self._changed.notify()
+
+    def retry(self, tasks: list[Task]) -> None:
+        """A chunk was lost with its worker: free its place and queue `tasks` of it again."""
+        with self._changed:
+            self._in_flight -= 1
+            if tasks:
+                self._todo.appendleft(tasks)
+            self._changed.notify()
 
     def stop(self) -> None:
-        """Stop feeding, waking the feeder thread if it waits for a slot."""
-        self._stopped = True
-        self._slots.release()
+        with self._changed:
+            self._stopped = True
+            self._changed.notify_all()
+
+
+def chunked(tasks: list[Task], workers: int) -> list[list[Task]]:
+    """Chunks of tasks: many per chunk for tiny files (per-task overhead dominates), one or a few
+    for big ones, and enough chunks that every worker gets many."""
+    per_chunk = max(1, min(MAX_CHUNK_TASKS, len(tasks) // (workers * MIN_CHUNKS_PER_WORKER)))
+    chunks: list[list[Task]] = []
+    current: list[Task] = []
+    size = 0
+    for task in tasks:
+        current.append(task)
+        size += task.item.size if task.part is None else CHUNK_BYTES
+        if len(current) >= per_chunk or size >= CHUNK_BYTES:
+            chunks.append(current)
+            current, size = [], 0
+    if current:
+        chunks.append(current)
+    return chunks
 
 
 def start_pool(

@@ -1,0 +1,209 @@
+"""`make bench`: batchctl against a serial loop and a naive Pool baseline, side by side, one run.
+
+Workloads (generated, nothing downloaded): photo-like JPEG/PNG images in class folders; many tiny
+.npy files (per-sample overhead); one big .npy split into rows. Reports samples/s, the ratio to
+the ideal W x r (r = the serial loop's rate), peak RSS summed over the whole process tree, bytes
+written. Results go to benchmarks/results/latest.json and a PNG plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from batchctl.preprocess.image import preprocess_image
+from batchctl.synthetic import make_image_folder
+
+HERE = Path(__file__).resolve().parent
+CORES = len(os.sched_getaffinity(0))
+
+
+def tree_rss(pid: int) -> int:
+    """Resident bytes of `pid` and all its descendants."""
+    children: dict[int, list[int]] = {}
+    rss: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            status = (entry / "status").read_text()
+        except OSError:
+            continue
+        children.setdefault(int(stat[1]), []).append(int(entry.name))
+        for line in status.splitlines():
+            if line.startswith("VmRSS:"):
+                rss[int(entry.name)] = int(line.split()[1]) * 1024
+    total, stack = 0, [pid]
+    while stack:
+        current = stack.pop()
+        total += rss.get(current, 0)
+        stack.extend(children.get(current, []))
+    return total
+
+
+def run_measured(cmd: list[str]) -> tuple[float, int, subprocess.CompletedProcess[str]]:
+    """Wall time and peak tree RSS of a command."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    peak = 0
+    stop = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not stop.is_set():
+            peak = max(peak, tree_rss(proc.pid))
+            stop.wait(0.05)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    out, err = proc.communicate()
+    elapsed = time.perf_counter() - start
+    stop.set()
+    thread.join()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{err}")
+    return elapsed, peak, subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def serial_rate(files: list[Path], fn: Any) -> float:
+    start = time.perf_counter()
+    for path in files:
+        fn(path)
+    return len(files) / (time.perf_counter() - start)
+
+
+def du(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def batchctl_cmd(src: Path, out: Path, workers: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "batchctl", "build", str(src), "-o", str(out), "--workers", str(workers),
+            "--force", "--quiet", *extra]
+
+
+def naive_pool(files: list[Path], out: Path, workers: int) -> None:
+    """The baseline users write first: Pool.imap, keep everything, write one array at the end."""
+    import zarr
+
+    with get_context("forkserver").Pool(workers) as pool:
+        images = [r["image"] for r in pool.imap(preprocess_image, files, chunksize=4)]
+    stacked = np.stack(images)
+    zarr.save_array(str(out), stacked)
+
+
+def bench_images(root: Path, count: int, results: dict[str, Any]) -> None:
+    src = root / "images"
+    make_image_folder(src, count, sides=(300, 900))
+    files = sorted(p for p in src.rglob("*") if p.is_file())
+    r = serial_rate(files, preprocess_image)
+    rows: list[dict[str, Any]] = [{"tool": "serial loop", "workers": 1, "samples_per_s": round(r, 1)}]
+    for workers in range(1, CORES + 1):
+        out = root / f"img{workers}.zarr"
+        elapsed, peak, _ = run_measured(batchctl_cmd(src, out, workers))
+        rate = count / elapsed
+        rows.append({"tool": "batchctl build", "workers": workers, "samples_per_s": round(rate, 1),
+                     "ratio_to_ideal": round(rate / (workers * r), 3), "peak_rss_mib": round(peak / 2**20, 1),
+                     "bytes": du(out)})
+    out = root / "naive.zarr"
+    code = f"import sys; sys.path.insert(0, {str(HERE)!r}); import run; from pathlib import Path; " \
+           f"run.naive_pool(sorted(p for p in Path({str(src)!r}).rglob('*') if p.is_file()), Path({str(out)!r}), {CORES})"
+    elapsed, peak, _ = run_measured([sys.executable, "-c", code])
+    rows.append({"tool": "naive Pool.imap + write at end", "workers": CORES, "samples_per_s": round(count / elapsed, 1),
+                 "ratio_to_ideal": round(count / elapsed / (CORES * r), 3), "peak_rss_mib": round(peak / 2**20, 1),
+                 "bytes": du(out)})
+    # memory: N vs 4N files of the same kind (hard links to the same images under other names)
+    big = root / "images4x"
+    for copy in range(4):
+        for path in files:
+            target = big / path.parent.name / f"{copy}_{path.name}"
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.link(path, target)
+    _, peak_n, _ = run_measured(batchctl_cmd(src, root / "mem1.zarr", CORES))
+    _, peak_4n, _ = run_measured(batchctl_cmd(big, root / "mem4.zarr", CORES))
+    results["images"] = {
+        "files": count, "serial_rate": round(r, 1), "rows": rows,
+        "memory": {"files_n": count, "peak_rss_n_mib": round(peak_n / 2**20, 1),
+                   "files_4n": 4 * count, "peak_rss_4n_mib": round(peak_4n / 2**20, 1),
+                   "growth": round(peak_4n / peak_n - 1, 3)},
+    }
+
+
+def bench_tiny(root: Path, count: int, results: dict[str, Any]) -> None:
+    src = root / "tiny"
+    src.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(count):
+        np.save(src / f"{i:06d}.npy", rng.random(16, dtype=np.float32))
+    from batchctl.preprocess.npy import preprocess_npy
+
+    files = sorted(src.iterdir())
+    r = serial_rate(files, preprocess_npy)
+    out = root / "tiny.zarr"
+    elapsed, peak, _ = run_measured(batchctl_cmd(src, out, CORES, "--preprocess", "npy", "--batch-size", "256"))
+    results["tiny"] = {"files": count, "serial_rate": round(r, 1), "samples_per_s": round(count / elapsed, 1),
+                       "peak_rss_mib": round(peak / 2**20, 1)}
+
+
+def bench_big_npy(root: Path, rows: int, results: dict[str, Any]) -> None:
+    src = root / "bignpy"
+    src.mkdir()
+    np.save(src / "big.npy", np.random.default_rng(0).random((rows, 256), dtype=np.float32))
+    rates = {}
+    for workers in (1, CORES):
+        out = root / f"big{workers}.zarr"
+        elapsed, peak, _ = run_measured(batchctl_cmd(src, out, workers, "--preprocess", "npy", "--split-rows",
+                                                     "--batch-size", "1024"))
+        rates[workers] = rows / elapsed
+    results["big_npy"] = {"rows": rows, "row_bytes": 1024, "samples_per_s": {str(k): round(v, 1) for k, v in rates.items()},
+                          "speedup": round(rates[CORES] / rates[1], 2)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--images", type=int, default=1500)
+    parser.add_argument("--tiny", type=int, default=20000)
+    parser.add_argument("--rows", type=int, default=400_000)
+    parser.add_argument("--only", choices=["images", "tiny", "big_npy", "read"], action="append")
+    args = parser.parse_args()
+    results: dict[str, Any] = {"machine": f"{platform.processor() or platform.machine()}, {CORES} cores, "
+                               f"Python {platform.python_version()}", "date": time.strftime("%Y-%m-%d")}
+    with tempfile.TemporaryDirectory(prefix="batchctl-bench-") as tmp:
+        root = Path(tmp)
+        todo = args.only or ["images", "tiny", "big_npy", "read"]
+        if "images" in todo:
+            bench_images(root, args.images, results)
+        if "tiny" in todo:
+            bench_tiny(root, args.tiny, results)
+        if "big_npy" in todo:
+            bench_big_npy(root, args.rows, results)
+        if "read" in todo:
+            from read import bench_read
+
+            bench_read(root, results)
+        shutil.rmtree(root, ignore_errors=True)
+    print(json.dumps(results, indent=2))
+    out_dir = HERE / "results"
+    out_dir.mkdir(exist_ok=True)
+    (out_dir / "latest.json").write_text(json.dumps(results, indent=2) + "\n")
+    from report import check_goals, plot
+
+    check_goals(results)
+    plot(results, out_dir / "latest.png")
+
+
+if __name__ == "__main__":
+    main()
