@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.queues import Queue, SimpleQueue
 from pathlib import Path
@@ -106,6 +107,8 @@ class Collator:
         self.shard_index = config.resume_shards
         self.nbytes = 0
         self.shard: _Shard | None = None
+        self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchctl-write")
+        self.writing: Future[None] | None = None
         if self.arrays:
             self._adopt_existing()
 
@@ -166,23 +169,34 @@ class Collator:
                 self._write(journal=True)
 
     def _write(self, journal: bool) -> None:
-        assert self.layout is not None and self.shard is not None
-        shard = self.shard
+        """Hand the full shard to the writer thread and go on filling a fresh one, so compression
+        and disk writes overlap collation. At most one shard is being written: two buffers in all."""
+        assert self.shard is not None
+        self._wait_for_writer()
+        self.writing = self.writer.submit(self._store, self.shard_index, self.shard, journal)
+        self.shard_index += 1
+        self.shard = self._new_shard()
+
+    def _wait_for_writer(self) -> None:
+        if self.writing is not None:
+            self.writing.result()  # re-raises a failed write (a full disk, say) here
+            self.writing = None
+
+    def _store(self, index: int, shard: _Shard, journal: bool) -> None:
+        assert self.layout is not None
         columns = {name: col[: shard.rows] for name, col in shard.columns.items()}
         columns[fmt.SOURCE] = np.array(shard.sources, dtype=object)
-        fmt.write_shard(self.arrays, self.layout, self.shard_index, columns)
-        files = fmt.shard_files(self.config.dataset, list(self.arrays), self.shard_index)
+        fmt.write_shard(self.arrays, self.layout, index, columns)
+        files = fmt.shard_files(self.config.dataset, list(self.arrays), index)
         fmt.fsync_paths(files)
         written = sum(path.stat().st_size for path in files)
         self.nbytes += written
         if journal:
-            self._journal(shard)
-        self.events.put(ShardWritten(self.shard_index, shard.rows, written))
-        self.shard_index += 1
-        self.shard = self._new_shard()
+            self._journal(index, shard)
+        self.events.put(ShardWritten(index, shard.rows, written))
 
-    def _journal(self, shard: _Shard) -> None:
-        line = json.dumps({"shard": self.shard_index, "rows": shard.rows, "files": shard.entries})
+    def _journal(self, index: int, shard: _Shard) -> None:
+        line = json.dumps({"shard": index, "rows": shard.rows, "files": shard.entries})
         with open(self.config.journal, "a", encoding="utf-8") as journal:
             journal.write(line + "\n")
             journal.flush()
@@ -191,6 +205,8 @@ class Collator:
     def finish(self) -> Finished:
         if self.shard is not None and self.shard.rows:
             self._write(journal=False)
+        self._wait_for_writer()
+        self.writer.shutdown()
         samples = self.arrays[fmt.SOURCE].shape[0] if self.arrays else 0
         schema = {name: spec.to_json() for name, spec in (self.schema or {}).items()}
         shard_batches = self.layout.shard_batches if self.layout else 0

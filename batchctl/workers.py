@@ -25,9 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from batchctl import format as fmt
 from batchctl.discover import WorkItem
-from batchctl.preprocess import Preprocessor, Sample, resolve
+from batchctl.preprocess import Preprocessor, resolve
 
 
 @dataclass(frozen=True)
@@ -200,10 +199,11 @@ def _preprocess(task: Task) -> tuple[TaskResult, TaskOutput | None]:
     preprocessor: Preprocessor = _worker["preprocessor"]
     path = _worker["source"] / task.item.relpath
     try:
-        samples = list(preprocessor.samples(path, _worker["options"], task.part))
-        if not samples:
-            raise ValueError("the preprocessor produced no samples")
-        columns = stack_samples(samples[task.skip :]) if len(samples) > task.skip else None
+        columns: dict[str, np.ndarray] | None = preprocessor.columns(path, _worker["options"], task.part)
+        if task.skip:  # rows an interrupted run already wrote
+            columns = {name: column[task.skip :] for name, column in columns.items()} if columns else None
+            if columns and not len(next(iter(columns.values()))):
+                columns = None
     except Exception as exc:  # noqa: BLE001 - any failure of one file is that file's error
         reason = describe_error(exc).replace(f" '{path}'", "").replace(str(path), task.item.relpath)
         return TaskResult(task, 0, reason), None
@@ -211,15 +211,6 @@ def _preprocess(task: Task) -> tuple[TaskResult, TaskOutput | None]:
         return TaskResult(task, 0), None
     output = TaskOutput(task, columns)
     return TaskResult(task, output.rows), output
-
-
-def stack_samples(samples: list[Sample]) -> dict[str, np.ndarray]:
-    """Samples -> one column per field; a file whose samples disagree in shape is refused."""
-    first = {name: fmt.FieldSpec.of(value) for name, value in samples[0].items()}
-    for number, sample in enumerate(samples[1:], start=1):
-        if sample.keys() != first.keys() or any(fmt.FieldSpec.of(v) != first[k] for k, v in sample.items()):
-            raise ValueError(f"sample {number} of this file does not match its first sample's fields and shapes")
-    return {name: np.stack([sample[name] for sample in samples]) for name in first}
 
 
 class BoundedFeed:

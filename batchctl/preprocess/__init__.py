@@ -24,6 +24,13 @@ import numpy as np
 from batchctl.errors import UsageError
 
 Sample = dict[str, np.ndarray]
+
+
+class Block(dict[str, Any]):
+    """Many samples at once: field name -> array whose rows (axis 0) are the samples. A
+    preprocessor may return one instead of yielding samples, to skip the per-sample overhead."""
+
+
 PreprocessFn = Callable[..., Any]
 
 
@@ -63,14 +70,36 @@ class Preprocessor:
             self.check(merged)
         return merged
 
-    def samples(self, path: Path, options: Mapping[str, Any], part: tuple[int, int] | None = None) -> Iterator[Sample]:
-        """Run the function and normalise its result to a stream of samples of arrays."""
+    def columns(
+        self, path: Path, options: Mapping[str, Any], part: tuple[int, int] | None = None
+    ) -> dict[str, np.ndarray]:
+        """Run the function; its samples stacked field by field (row i of each column is sample i)."""
         result = self.fn(path, **options) if part is None else self.fn(path, **options, part=part)
+        if isinstance(result, Block):
+            columns = {str(k): np.asarray(v) for k, v in result.items()}
+            if not columns or len({len(v) for v in columns.values()}) != 1:
+                raise ValueError("a Block needs fields with the same number of rows")
+            return columns
+        samples = list(self._normalise(result))
+        if not samples:
+            raise ValueError("the preprocessor produced no samples")
+        return stack_samples(samples)
+
+    def _normalise(self, result: Any) -> Iterator[Sample]:
         stream = [result] if isinstance(result, Mapping) else result
         for raw in stream:
             if not isinstance(raw, Mapping) or not raw:
                 raise TypeError(f"preprocessor {self.name} returned {type(raw).__name__}, expected a dict of arrays")
             yield {str(k): np.asarray(v) for k, v in raw.items()}
+
+
+def stack_samples(samples: list[Sample]) -> dict[str, np.ndarray]:
+    """Samples -> one column per field; a file whose samples disagree in shape is refused."""
+    first = {name: (value.shape, value.dtype) for name, value in samples[0].items()}
+    for number, sample in enumerate(samples[1:], start=1):
+        if sample.keys() != first.keys() or any((v.shape, v.dtype) != first[k] for k, v in sample.items()):
+            raise ValueError(f"sample {number} of this file does not match its first sample's fields and shapes")
+    return {name: np.stack([sample[name] for sample in samples]) for name in first}
 
 
 def builtins() -> dict[str, Preprocessor]:

@@ -4,12 +4,13 @@ mapped and split into row ranges that workers take independently."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
-from batchctl.preprocess import Preprocessor
+from batchctl.preprocess import Block, Preprocessor
+
+MMAP_BYTES = 4 * 2**20
 
 
 def load_array(path: Path, key: str | None = None) -> np.ndarray:
@@ -23,20 +24,21 @@ def load_array(path: Path, key: str | None = None) -> np.ndarray:
             if key not in names:
                 raise KeyError(f"no array {key!r} in the archive (it holds {', '.join(names)})")
             return archive[key]
+    if path.stat().st_size < MMAP_BYTES:  # a plain read is cheaper for small files
+        return np.load(path, allow_pickle=False)
     return np.load(path, mmap_mode="r", allow_pickle=False)
 
 
 def preprocess_npy(
     path: Path, key: str | None = None, split_rows: bool = False, part: tuple[int, int] | None = None
-) -> dict[str, np.ndarray] | Iterator[dict[str, np.ndarray]]:
+) -> dict[str, np.ndarray] | Block:
     array = load_array(path, key)
     if not split_rows:
         return {"array": np.array(array)}
     if array.ndim == 0:
         raise ValueError("a 0-d array has no rows to split")
     start, stop = part if part is not None else (0, len(array))
-    block = np.array(array[start:stop])  # one read of the whole part, then rows as views
-    return ({"array": row} for row in block)
+    return Block(array=np.array(array[start:stop]))  # one read of the part; its rows are the samples
 
 
 def count_rows(path: Path, key: str | None = None, split_rows: bool = False) -> int | None:

@@ -1,0 +1,51 @@
+"""Reading speed: every batch in order and shuffled, against np.load of the same bytes from one
+.npy file (the practical limit on this machine)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import batchctl
+from batchctl.synthetic import make_image_folder
+
+
+def bench_read(root: Path, results: dict[str, Any], images: int = 1024) -> None:
+    src = root / "read-images"
+    make_image_folder(src, images, sides=(260, 400))
+    out = root / "read.zarr"
+    subprocess.run([sys.executable, "-m", "batchctl", "build", str(src), "-o", str(out), "--quiet", "--force",
+                    "--batch-size", "64"], check=True)
+    ds = batchctl.open(out)
+    whole = np.concatenate([ds[i]["image"] for i in range(len(ds))])
+    npy = root / "images.npy"
+    np.save(npy, whole)
+    nbytes = whole.nbytes
+
+    def rate(fn: Any, repeat: int = 3) -> float:
+        best = float("inf")
+        for _ in range(repeat):
+            start = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    limit = rate(lambda: np.load(npy))
+    sequential = rate(lambda: [b["image"] for b in ds.iter_batches(prefetch=2)])
+    shuffled = rate(lambda: [b["image"] for b in ds.iter_batches(shuffle=True, seed=1, prefetch=2)])
+    results["read"] = {
+        "samples": ds.num_samples,
+        "bytes": nbytes,
+        "np_load_mb_s": round(nbytes / limit / 1e6, 1),
+        "sequential_mb_s": round(nbytes / sequential / 1e6, 1),
+        "sequential_samples_s": round(ds.num_samples / sequential, 1),
+        "shuffled_mb_s": round(nbytes / shuffled / 1e6, 1),
+        "shuffled_samples_s": round(ds.num_samples / shuffled, 1),
+        "sequential_vs_np_load": round(limit / sequential, 3),
+        "shuffled_vs_np_load": round(limit / shuffled, 3),
+    }

@@ -1,0 +1,61 @@
+"""Goals checked against the measured figures, and a PNG bar chart (drawn with Pillow)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from PIL import Image, ImageDraw
+
+
+def check_goals(results: dict[str, Any]) -> list[tuple[str, bool]]:
+    goals: list[tuple[str, bool]] = []
+    if "images" in results:
+        rows = [r for r in results["images"]["rows"] if r["tool"] == "batchctl build"]
+        best = rows[-1]
+        goals.append((f"build >= 0.9 x W x r with W={best['workers']}: {best['ratio_to_ideal']:.2f}", best["ratio_to_ideal"] >= 0.9))
+        mem = results["images"]["memory"]
+        goals.append((f"peak RSS N -> 4N grows <= 25%: {mem['growth'] * 100:+.0f}%", mem["growth"] <= 0.25))
+        cap = (best["workers"] + 2) * 200
+        goals.append((f"peak RSS {mem['peak_rss_4n_mib']:.0f} MiB < (W+2) x 200 = {cap} MiB", mem["peak_rss_4n_mib"] < cap))
+        naive = next(r for r in results["images"]["rows"] if r["tool"].startswith("naive"))
+        goals.append((f"ahead of naive Pool.imap: {best['samples_per_s'] / naive['samples_per_s']:.2f}x",
+                      best["samples_per_s"] > naive["samples_per_s"]))
+    if "tiny" in results:
+        rate = results["tiny"]["samples_per_s"]
+        goals.append((f"tiny files >= 20000 samples/s: {rate:.0f}", rate >= 20000))
+    if "big_npy" in results:
+        speedup = results["big_npy"]["speedup"]
+        goals.append((f"one big .npy, W workers vs 1: {speedup:.2f}x >= 1.7x", speedup >= 1.7))
+    if "read" in results:
+        read = results["read"]
+        goals.append((f"sequential reads >= 80% of np.load: {read['sequential_vs_np_load'] * 100:.0f}%",
+                       read["sequential_vs_np_load"] >= 0.8))
+        goals.append((f"shuffled reads >= 70% of np.load: {read['shuffled_vs_np_load'] * 100:.0f}%",
+                       read["shuffled_vs_np_load"] >= 0.7))
+    for text, met in goals:
+        print(f"[{'met' if met else 'NOT met'}] {text}")
+    return goals
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    """Samples/s of each tool on the image workload, with the ideal W x r marked."""
+    if "images" not in results:
+        return
+    rows = results["images"]["rows"]
+    r = results["images"]["serial_rate"]
+    width, bar, top = 760, 34, 40
+    image = Image.new("RGB", (width, top + len(rows) * (bar + 12) + 30), "white")
+    draw = ImageDraw.Draw(image)
+    draw.text((10, 10), f"image workload, {results['machine']}: samples/s (| = ideal W x r)", fill="black")
+    peak = max(max(row["samples_per_s"] for row in rows), max(row["workers"] for row in rows) * r)
+    scale = (width - 300) / peak
+    for i, row in enumerate(rows):
+        y = top + i * (bar + 12)
+        label = f"{row['tool']} ({row['workers']}w)"
+        draw.text((10, y + 10), label, fill="black")
+        draw.rectangle((260, y, 260 + row["samples_per_s"] * scale, y + bar), fill=(60, 120, 200))
+        draw.text((266 + row["samples_per_s"] * scale, y + 10), f"{row['samples_per_s']:.0f}", fill="black")
+        ideal = 260 + row["workers"] * r * scale
+        draw.line((ideal, y - 3, ideal, y + bar + 3), fill=(200, 40, 40), width=2)
+    image.save(path)
