@@ -43,7 +43,13 @@ class BuildReport:
         """The one-paragraph summary printed at the end of a build."""
         if self.status == "up_to_date":
             return f"{self.output} is up to date ({self.samples} samples); nothing to do."
-        verb = {"complete": "Built", "interrupted": "Interrupted", "failed": "Failed"}[self.status]
+        if self.status != "complete":
+            verb = "Interrupted" if self.status == "interrupted" else "Failed"
+            return (
+                f"{verb} {self.output} after {self.elapsed_s:.1f} s: {self.processed} files preprocessed, "
+                f"{len(self.errors)} skipped with errors; nothing at OUTPUT was changed."
+            )
+        verb = "Built"
         text = (
             f"{verb} {self.output}: {self.samples} samples in {self.batches} batches, "
             f"{self.shards} shards, {_size(self.bytes)}; {self.processed} files preprocessed"

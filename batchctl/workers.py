@@ -199,17 +199,13 @@ def _preprocess(task: Task) -> tuple[TaskResult, TaskOutput | None]:
     preprocessor: Preprocessor = _worker["preprocessor"]
     path = _worker["source"] / task.item.relpath
     try:
-        columns: dict[str, np.ndarray] | None = preprocessor.columns(path, _worker["options"], task.part)
-        if task.skip:  # rows an interrupted run already wrote
-            columns = {name: column[task.skip :] for name, column in columns.items()} if columns else None
-            if columns and not len(next(iter(columns.values()))):
-                columns = None
+        columns = preprocessor.columns(path, _worker["options"], task.part)
     except Exception as exc:  # noqa: BLE001 - any failure of one file is that file's error
         reason = describe_error(exc).replace(f" '{path}'", "").replace(str(path), task.item.relpath)
         return TaskResult(task, 0, reason), None
-    if columns is None:
+    output = TaskOutput(task, {name: column[task.skip :] for name, column in columns.items()})
+    if output.rows == 0:  # an interrupted run already wrote all of it
         return TaskResult(task, 0), None
-    output = TaskOutput(task, columns)
     return TaskResult(task, output.rows), output
 
 

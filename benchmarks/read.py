@@ -19,8 +19,22 @@ def bench_read(root: Path, results: dict[str, Any], images: int = 1024) -> None:
     src = root / "read-images"
     make_image_folder(src, images, sides=(260, 400))
     out = root / "read.zarr"
-    subprocess.run([sys.executable, "-m", "batchctl", "build", str(src), "-o", str(out), "--quiet", "--force",
-                    "--batch-size", "64"], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "batchctl",
+            "build",
+            str(src),
+            "-o",
+            str(out),
+            "--quiet",
+            "--force",
+            "--batch-size",
+            "64",
+        ],
+        check=True,
+    )
     ds = batchctl.open(out)
     whole = np.concatenate([ds[i]["image"] for i in range(len(ds))])
     npy = root / "images.npy"

@@ -13,14 +13,25 @@ def check_goals(results: dict[str, Any]) -> list[tuple[str, bool]]:
     if "images" in results:
         rows = [r for r in results["images"]["rows"] if r["tool"] == "batchctl build"]
         best = rows[-1]
-        goals.append((f"build >= 0.9 x W x r with W={best['workers']}: {best['ratio_to_ideal']:.2f}", best["ratio_to_ideal"] >= 0.9))
+        goals.append(
+            (
+                f"build >= 0.9 x W x r with W={best['workers']}: {best['ratio_to_ideal']:.2f}",
+                best["ratio_to_ideal"] >= 0.9,
+            )
+        )
         mem = results["images"]["memory"]
         goals.append((f"peak RSS N -> 4N grows <= 25%: {mem['growth'] * 100:+.0f}%", mem["growth"] <= 0.25))
         cap = (best["workers"] + 2) * 200
-        goals.append((f"peak RSS {mem['peak_rss_4n_mib']:.0f} MiB < (W+2) x 200 = {cap} MiB", mem["peak_rss_4n_mib"] < cap))
+        goals.append(
+            (f"peak RSS {mem['peak_rss_4n_mib']:.0f} MiB < (W+2) x 200 = {cap} MiB", mem["peak_rss_4n_mib"] < cap)
+        )
         naive = next(r for r in results["images"]["rows"] if r["tool"].startswith("naive"))
-        goals.append((f"ahead of naive Pool.imap: {best['samples_per_s'] / naive['samples_per_s']:.2f}x",
-                      best["samples_per_s"] > naive["samples_per_s"]))
+        goals.append(
+            (
+                f"ahead of naive Pool.imap: {best['samples_per_s'] / naive['samples_per_s']:.2f}x",
+                best["samples_per_s"] > naive["samples_per_s"],
+            )
+        )
     if "tiny" in results:
         rate = results["tiny"]["samples_per_s"]
         goals.append((f"tiny files >= 20000 samples/s: {rate:.0f}", rate >= 20000))
@@ -29,10 +40,18 @@ def check_goals(results: dict[str, Any]) -> list[tuple[str, bool]]:
         goals.append((f"one big .npy, W workers vs 1: {speedup:.2f}x >= 1.7x", speedup >= 1.7))
     if "read" in results:
         read = results["read"]
-        goals.append((f"sequential reads >= 80% of np.load: {read['sequential_vs_np_load'] * 100:.0f}%",
-                       read["sequential_vs_np_load"] >= 0.8))
-        goals.append((f"shuffled reads >= 70% of np.load: {read['shuffled_vs_np_load'] * 100:.0f}%",
-                       read["shuffled_vs_np_load"] >= 0.7))
+        goals.append(
+            (
+                f"sequential reads >= 80% of np.load: {read['sequential_vs_np_load'] * 100:.0f}%",
+                read["sequential_vs_np_load"] >= 0.8,
+            )
+        )
+        goals.append(
+            (
+                f"shuffled reads >= 70% of np.load: {read['shuffled_vs_np_load'] * 100:.0f}%",
+                read["shuffled_vs_np_load"] >= 0.7,
+            )
+        )
     for text, met in goals:
         print(f"[{'met' if met else 'NOT met'}] {text}")
     return goals

@@ -32,26 +32,19 @@ CORES = len(os.sched_getaffinity(0))
 
 
 def tree_rss(pid: int) -> int:
-    """Resident bytes of `pid` and all its descendants."""
-    children: dict[int, list[int]] = {}
-    rss: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            status = (entry / "status").read_text()
-        except OSError:
-            continue
-        children.setdefault(int(stat[1]), []).append(int(entry.name))
-        for line in status.splitlines():
-            if line.startswith("VmRSS:"):
-                rss[int(entry.name)] = int(line.split()[1]) * 1024
+    """Resident bytes of `pid` and all its descendants (walked through /proc/PID/task/*/children,
+    so sampling costs little CPU next to the build it measures)."""
     total, stack = 0, [pid]
     while stack:
         current = stack.pop()
-        total += rss.get(current, 0)
-        stack.extend(children.get(current, []))
+        try:
+            for line in Path(f"/proc/{current}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+            for task in Path(f"/proc/{current}/task").iterdir():
+                stack.extend(int(child) for child in (task / "children").read_text().split())
+        except OSError:
+            continue
     return total
 
 
@@ -66,7 +59,7 @@ def run_measured(cmd: list[str]) -> tuple[float, int, subprocess.CompletedProces
         nonlocal peak
         while not stop.is_set():
             peak = max(peak, tree_rss(proc.pid))
-            stop.wait(0.05)
+            stop.wait(0.2)
 
     thread = threading.Thread(target=sample, daemon=True)
     thread.start()
@@ -91,8 +84,20 @@ def du(path: Path) -> int:
 
 
 def batchctl_cmd(src: Path, out: Path, workers: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "batchctl", "build", str(src), "-o", str(out), "--workers", str(workers),
-            "--force", "--quiet", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "batchctl",
+        "build",
+        str(src),
+        "-o",
+        str(out),
+        "--workers",
+        str(workers),
+        "--force",
+        "--quiet",
+        *extra,
+    ]
 
 
 def naive_pool(files: list[Path], out: Path, workers: int) -> None:
@@ -115,16 +120,32 @@ def bench_images(root: Path, count: int, results: dict[str, Any]) -> None:
         out = root / f"img{workers}.zarr"
         elapsed, peak, _ = run_measured(batchctl_cmd(src, out, workers))
         rate = count / elapsed
-        rows.append({"tool": "batchctl build", "workers": workers, "samples_per_s": round(rate, 1),
-                     "ratio_to_ideal": round(rate / (workers * r), 3), "peak_rss_mib": round(peak / 2**20, 1),
-                     "bytes": du(out)})
+        rows.append(
+            {
+                "tool": "batchctl build",
+                "workers": workers,
+                "samples_per_s": round(rate, 1),
+                "ratio_to_ideal": round(rate / (workers * r), 3),
+                "peak_rss_mib": round(peak / 2**20, 1),
+                "bytes": du(out),
+            }
+        )
     out = root / "naive.zarr"
-    code = f"import sys; sys.path.insert(0, {str(HERE)!r}); import run; from pathlib import Path; " \
-           f"run.naive_pool(sorted(p for p in Path({str(src)!r}).rglob('*') if p.is_file()), Path({str(out)!r}), {CORES})"
+    code = (
+        f"import sys; sys.path.insert(0, {str(HERE)!r}); import run; from pathlib import Path; "
+        f"run.naive_pool(sorted(p for p in Path({str(src)!r}).rglob('*') if p.is_file()), Path({str(out)!r}), {CORES})"
+    )
     elapsed, peak, _ = run_measured([sys.executable, "-c", code])
-    rows.append({"tool": "naive Pool.imap + write at end", "workers": CORES, "samples_per_s": round(count / elapsed, 1),
-                 "ratio_to_ideal": round(count / elapsed / (CORES * r), 3), "peak_rss_mib": round(peak / 2**20, 1),
-                 "bytes": du(out)})
+    rows.append(
+        {
+            "tool": "naive Pool.imap + write at end",
+            "workers": CORES,
+            "samples_per_s": round(count / elapsed, 1),
+            "ratio_to_ideal": round(count / elapsed / (CORES * r), 3),
+            "peak_rss_mib": round(peak / 2**20, 1),
+            "bytes": du(out),
+        }
+    )
     # memory: N vs 4N files of the same kind (hard links to the same images under other names)
     big = root / "images4x"
     for copy in range(4):
@@ -135,10 +156,16 @@ def bench_images(root: Path, count: int, results: dict[str, Any]) -> None:
     _, peak_n, _ = run_measured(batchctl_cmd(src, root / "mem1.zarr", CORES))
     _, peak_4n, _ = run_measured(batchctl_cmd(big, root / "mem4.zarr", CORES))
     results["images"] = {
-        "files": count, "serial_rate": round(r, 1), "rows": rows,
-        "memory": {"files_n": count, "peak_rss_n_mib": round(peak_n / 2**20, 1),
-                   "files_4n": 4 * count, "peak_rss_4n_mib": round(peak_4n / 2**20, 1),
-                   "growth": round(peak_4n / peak_n - 1, 3)},
+        "files": count,
+        "serial_rate": round(r, 1),
+        "rows": rows,
+        "memory": {
+            "files_n": count,
+            "peak_rss_n_mib": round(peak_n / 2**20, 1),
+            "files_4n": 4 * count,
+            "peak_rss_4n_mib": round(peak_4n / 2**20, 1),
+            "growth": round(peak_4n / peak_n - 1, 3),
+        },
     }
 
 
@@ -154,8 +181,12 @@ def bench_tiny(root: Path, count: int, results: dict[str, Any]) -> None:
     r = serial_rate(files, preprocess_npy)
     out = root / "tiny.zarr"
     elapsed, peak, _ = run_measured(batchctl_cmd(src, out, CORES, "--preprocess", "npy", "--batch-size", "256"))
-    results["tiny"] = {"files": count, "serial_rate": round(r, 1), "samples_per_s": round(count / elapsed, 1),
-                       "peak_rss_mib": round(peak / 2**20, 1)}
+    results["tiny"] = {
+        "files": count,
+        "serial_rate": round(r, 1),
+        "samples_per_s": round(count / elapsed, 1),
+        "peak_rss_mib": round(peak / 2**20, 1),
+    }
 
 
 def bench_big_npy(root: Path, rows: int, results: dict[str, Any]) -> None:
@@ -165,11 +196,16 @@ def bench_big_npy(root: Path, rows: int, results: dict[str, Any]) -> None:
     rates = {}
     for workers in (1, CORES):
         out = root / f"big{workers}.zarr"
-        elapsed, peak, _ = run_measured(batchctl_cmd(src, out, workers, "--preprocess", "npy", "--split-rows",
-                                                     "--batch-size", "1024"))
+        elapsed, peak, _ = run_measured(
+            batchctl_cmd(src, out, workers, "--preprocess", "npy", "--split-rows", "--batch-size", "1024")
+        )
         rates[workers] = rows / elapsed
-    results["big_npy"] = {"rows": rows, "row_bytes": 1024, "samples_per_s": {str(k): round(v, 1) for k, v in rates.items()},
-                          "speedup": round(rates[CORES] / rates[1], 2)}
+    results["big_npy"] = {
+        "rows": rows,
+        "row_bytes": 1024,
+        "samples_per_s": {str(k): round(v, 1) for k, v in rates.items()},
+        "speedup": round(rates[CORES] / rates[1], 2),
+    }
 
 
 def main() -> None:
@@ -179,8 +215,10 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=400_000)
     parser.add_argument("--only", choices=["images", "tiny", "big_npy", "read"], action="append")
     args = parser.parse_args()
-    results: dict[str, Any] = {"machine": f"{platform.processor() or platform.machine()}, {CORES} cores, "
-                               f"Python {platform.python_version()}", "date": time.strftime("%Y-%m-%d")}
+    results: dict[str, Any] = {
+        "machine": f"{platform.processor() or platform.machine()}, {CORES} cores, Python {platform.python_version()}",
+        "date": time.strftime("%Y-%m-%d"),
+    }
     with tempfile.TemporaryDirectory(prefix="batchctl-bench-") as tmp:
         root = Path(tmp)
         todo = args.only or ["images", "tiny", "big_npy", "read"]

@@ -21,6 +21,7 @@ from batchctl.preprocess import Preprocessor
 
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 DRAFT_MARGIN = 2
+ORIENTATION = 0x0112  # the EXIF tag
 
 
 def resized_size(width: int, height: int, resize: int) -> tuple[int, int]:
@@ -51,7 +52,8 @@ def load_resized(path: Path, resize: int, draft: bool = True) -> Image.Image:
         target = resized_size(img.width, img.height, resize)
         if draft and img.format == "JPEG":
             img.draft("RGB", (target[0] * DRAFT_MARGIN, target[1] * DRAFT_MARGIN))
-        oriented = ImageOps.exif_transpose(img)
+        # exif_transpose copies the image even when there is nothing to turn: skip it then
+        oriented = ImageOps.exif_transpose(img) if img.getexif().get(ORIENTATION, 1) != 1 else img
         rgb = oriented.convert("RGB")
     target = resized_size(rgb.width, rgb.height, resize)
     return rgb.resize(target, Image.Resampling.BILINEAR)
