@@ -8,14 +8,19 @@ has no locking, so partial writes from several processes lose rows (shared/FACTS
 
 from __future__ import annotations
 
+import json
 import math
+import mmap
 import os
 import shutil
+import threading
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import google_crc32c
+import numcodecs
 import numpy as np
 import zarr
 import zarr.codecs as zc
@@ -249,3 +254,114 @@ def open_group(path: str | os.PathLike[str], allow_partial: bool = False) -> tup
             "`batchctl build` to finish it, or pass allow_partial=True to read what is there."
         )
     return group, attrs
+
+
+_NO_CHUNK = 2**64 - 1  # an index entry of an empty chunk in the sharding_indexed codec
+_SHARD_CACHE = 4
+
+
+class ChunkReader:
+    """Reads one whole chunk (= one batch) of a numeric array straight from its shard file.
+
+    zarr-python 3.1 reads a 9.6 MB batch of images at ~0.8 GB/s while zstd alone decodes it at
+    ~4 GB/s (benchmarks/read.py), so the reader decodes chunks of the layout written here itself:
+    `sharding_indexed` with the index at the end (little-endian uint64 offset/nbytes pairs plus
+    crc32c), inner codecs bytes + zstd, bytes + blosc + crc32c, or bytes + crc32c. Every checksum
+    is checked. `for_array` returns None for any other layout, and the caller then uses zarr.
+    """
+
+    def __init__(self, root: Path, arr: zarr.Array, inner: list[dict[str, Any]]) -> None:
+        self.root = root
+        self.arr = arr
+        self.chunk_shape = tuple(int(n) for n in arr.chunks)
+        self.per_shard = int(arr.shards[0]) // self.chunk_shape[0]  # type: ignore[index]
+        self.dtype = np.dtype(arr.dtype)
+        self.inner = [codec["name"] for codec in inner]
+        self._shards: dict[int, tuple[mmap.mmap, np.ndarray]] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def for_array(cls, root: Path, arr: zarr.Array) -> ChunkReader | None:
+        if arr.dtype.kind not in "biufT" or not arr.shards:
+            return None
+        (codec,) = arr.metadata.codecs  # type: ignore[union-attr]
+        sharding: dict[str, Any] = json.loads(json.dumps(codec.to_dict()))
+        config: dict[str, Any] = sharding.get("configuration") or {}
+        inner = list(config.get("codecs", ()))
+        names = [codec["name"] for codec in inner]
+        index_names = [codec["name"] for codec in config.get("index_codecs", ())]
+        if names and names[0] == "vlen-utf8":  # the `source` strings
+            names[0] = "bytes"
+        elif arr.dtype.kind == "T":
+            return None
+        endian = (inner[0].get("configuration") or {}).get("endian", "little") if inner else None
+        little = np.dtype(arr.dtype).byteorder in "<|=" and endian == "little"
+        if (
+            sharding.get("name") != "sharding_indexed"
+            or config.get("index_location") != "end"
+            or index_names != ["bytes", "crc32c"]
+            or names not in (["bytes", "zstd"], ["bytes", "blosc", "crc32c"], ["bytes", "crc32c"])
+            or not little
+            or any(int(s) != int(c) for s, c in zip(arr.shards[1:], arr.chunks[1:], strict=True))
+        ):
+            return None
+        return cls(root, arr, inner)
+
+    def _shard(self, shard: int) -> tuple[mmap.mmap, np.ndarray]:
+        """A mapped shard file and its index; the last few are kept."""
+        with self._lock:  # prefetch threads share the cache
+            cached = self._shards.get(shard)
+            if cached is None:
+                cached = self._map(shard)
+                if len(self._shards) >= _SHARD_CACHE:
+                    self._shards.pop(next(iter(self._shards)))  # closed once no batch refers to it
+                self._shards[shard] = cached
+        return cached
+
+    def _map(self, shard: int) -> tuple[mmap.mmap, np.ndarray]:
+        """The shard file mapped into memory and its index, checked against its crc32c."""
+        key = self.arr.metadata.encode_chunk_key((shard,) + (0,) * (len(self.chunk_shape) - 1))
+        with open(self.root / self.arr.path / key, "rb") as file:
+            mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+        nbytes = self.per_shard * 16 + 4
+        raw = mapped[len(mapped) - nbytes :]
+        if google_crc32c.value(raw[:-4]) != int.from_bytes(raw[-4:], "little"):
+            raise FormatError(f"shard {shard}: the shard index checksum does not match")
+        return mapped, np.frombuffer(raw[:-4], dtype="<u8").reshape(self.per_shard, 2)
+
+    def read(self, chunk: int) -> np.ndarray:
+        """Chunk `chunk` as an array of the full chunk shape (rows past the end are fill)."""
+        try:
+            return self._read(chunk)
+        except (RuntimeError, ValueError) as exc:  # what the decoders raise on bad bytes
+            raise FormatError(
+                f"{self.arr.path} batch {chunk}: corrupt data ({exc}); `batchctl verify` lists all"
+            ) from exc
+
+    def _read(self, chunk: int) -> np.ndarray:
+        shard, position = divmod(chunk, self.per_shard)
+        mapped, index = self._shard(shard)
+        offset, nbytes = (int(v) for v in index[position])
+        if offset == _NO_CHUNK:
+            return np.zeros(self.chunk_shape, self.dtype)
+        data = memoryview(mapped)[offset : offset + nbytes]  # decoded from the page cache, no copy
+        if self.inner[-1] == "crc32c":
+            data, stored = data[:-4], data[-4:]
+            if google_crc32c.value(bytes(data)) != int.from_bytes(stored, "little"):
+                raise FormatError(f"shard {shard}, chunk {position}: the chunk checksum does not match")
+        if self.inner[0] == "vlen-utf8":
+            raw = data
+            if "zstd" in self.inner:
+                raw = numcodecs.Zstd().decode(data)
+            elif "blosc" in self.inner:
+                raw = numcodecs.Blosc().decode(data)
+            strings = numcodecs.VLenUTF8().decode(raw)
+            return np.array(strings, dtype=self.dtype).reshape(self.chunk_shape)
+        out = np.empty(self.chunk_shape, self.dtype)  # decoded straight into a writable array
+        if "zstd" in self.inner:
+            numcodecs.Zstd().decode(data, out=out)  # libzstd checks the frame checksum
+        elif "blosc" in self.inner:
+            numcodecs.Blosc().decode(data, out=out)
+        else:
+            out.reshape(-1).view(np.uint8)[:] = np.frombuffer(data, np.uint8)
+        return out

@@ -149,3 +149,45 @@ def test_torch_adapters(dataset: Path) -> None:
     assert len(chosen) == 8  # 9 batches over 2 workers: 4 each, disjoint
     assert sorted(seen) == sorted(str(s) for i in chosen for s in ds[i]["source"])
     assert len(seen) == len(set(seen))
+
+
+@pytest.mark.parametrize("compression", ["zstd", "blosc", "none"])
+def test_fast_chunk_reader_matches_zarr_and_catches_corruption(
+    image_folder: Path, tmp_path: Path, compression: str
+) -> None:
+    import zarr
+
+    out = tmp_path / "d.zarr"
+    result = run_cli(
+        "build",
+        image_folder,
+        "-o",
+        out,
+        "--batch-size",
+        "8",
+        "--shard-batches",
+        "3",
+        "--crop",
+        "16",
+        "--resize",
+        "20",
+        "--compression",
+        compression,
+    )
+    assert result.returncode == 0, result.stderr
+    ds = batchctl.open(out)
+    assert all(reader is not None for reader in ds._fast.values())  # every array takes the fast path
+    group = zarr.open_group(str(out), mode="r")
+    for i in range(len(ds)):
+        batch = ds[i]
+        for name in group.array_keys():
+            expected = group[name][i * 8 : (i + 1) * 8]
+            assert batch[name].dtype == expected.dtype and np.array_equal(batch[name], expected), (name, i)
+            assert batch[name].flags.writeable
+    shard = out / "image" / "c" / "1" / "0" / "0" / "0"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 3 : len(data) // 3 + 8] = bytes(8)
+    shard.write_bytes(bytes(data))
+    with pytest.raises(batchctl.BatchctlError):
+        for j in range(3, 6):
+            batchctl.open(out)[j]
