@@ -74,6 +74,9 @@ Event = ShardWritten | Rejected | Finished | Crashed
 
 def check_schema(schema: fmt.Schema, sample: Sample) -> str | None:
     """Why `sample` does not fit `schema`, or None when it does."""
+    taken = sorted(set(sample) & set(fmt.RESERVED_FIELDS))
+    if taken:
+        return f"field names {', '.join(taken)} are batchctl's own; rename them in the preprocessor"
     if set(sample) != set(schema):
         return f"fields {', '.join(sorted(sample))} differ from the dataset's {', '.join(sorted(schema))}"
     for name, value in sample.items():
@@ -145,13 +148,13 @@ class Collator:
         """Copy a task's rows into the shard being filled, writing each shard as it fills up."""
         task, item = output.task, output.task.item
         first_row = {name: column[0] for name, column in output.columns.items()}
+        reason = check_schema(self.schema or {n: fmt.FieldSpec.of(v) for n, v in first_row.items()}, first_row)
+        if reason:  # (the worker checked that the task's rows agree with each other)
+            self.events.put(Rejected(item.relpath, reason, output.rows))
+            return
         if self.schema is None:
             self._start(first_row)
         assert self.schema is not None and self.layout is not None and self.shard is not None
-        reason = check_schema(self.schema, first_row)  # the worker checked its rows agree
-        if reason:
-            self.events.put(Rejected(item.relpath, reason, output.rows))
-            return
         done = 0
         while done < output.rows:
             shard, start = self.shard, self.shard.rows

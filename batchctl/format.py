@@ -24,6 +24,7 @@ import numcodecs
 import numpy as np
 import zarr
 import zarr.codecs as zc
+from zarr.core.array_spec import ArrayConfigParams
 
 from batchctl.errors import FormatError, IncompleteDatasetError
 
@@ -34,9 +35,10 @@ SOURCE_INDEX = "source_index"
 LABEL = "label"
 RESERVED_FIELDS = (SOURCE, SOURCE_INDEX, LABEL)
 COMPRESSIONS = ("zstd", "blosc", "none")
-ZSTD_LEVEL = 3
+ZSTD_LEVEL = 1  # by measurement: 1.65x faster than 3 on decoded photos, ratio 1.117 vs 1.120
 DEFAULT_SHARD_BYTES = 128 * 2**20
 MIN_SHARD_BATCHES = 2
+WRITE_CONFIG: ArrayConfigParams = {"write_empty_chunks": True}  # every shard is a file, even an all-zero one
 
 
 @dataclass(frozen=True)
@@ -161,13 +163,14 @@ def create_arrays(
             shards=(layout.shard_rows, *row_shape),
             compressors=_compressors(compression),
             dimension_names=("sample", *(f"dim_{i}" for i in range(len(row_shape)))),
-            config={"write_empty_chunks": True},  # every shard is a file, even all-zero ones
+            config=WRITE_CONFIG,
         )
     return arrays
 
 
 def open_arrays(group: zarr.Group) -> dict[str, zarr.Array]:
-    return {name: arr for name, arr in group.arrays()}
+    # the config is not stored with the array: give it again to every array that may be written
+    return {name: arr.with_config(WRITE_CONFIG) for name, arr in group.arrays()}
 
 
 def write_shard(
@@ -340,7 +343,14 @@ class ChunkReader:
 
     def _read(self, chunk: int) -> np.ndarray:
         shard, position = divmod(chunk, self.per_shard)
-        mapped, index = self._shard(shard)
+        try:
+            mapped, index = self._shard(shard)
+        except FileNotFoundError:  # as in zarr, a missing shard reads as fill values (verify reports it)
+            return (
+                np.zeros(self.chunk_shape, self.dtype)
+                if self.dtype.kind != "T"
+                else np.full(self.chunk_shape, "", self.dtype)
+            )
         offset, nbytes = (int(v) for v in index[position])
         if offset == _NO_CHUNK:
             return np.zeros(self.chunk_shape, self.dtype)

@@ -236,7 +236,10 @@ def main() -> None:
     print(json.dumps(results, indent=2))
     out_dir = HERE / "results"
     out_dir.mkdir(exist_ok=True)
-    (out_dir / "latest.json").write_text(json.dumps(results, indent=2) + "\n")
+    latest = out_dir / "latest.json"
+    if args.only and latest.exists():  # a partial run updates its sections of the last full one
+        results = {**json.loads(latest.read_text()), **results}
+    latest.write_text(json.dumps(results, indent=2) + "\n")
     from report import check_goals, plot
 
     check_goals(results)

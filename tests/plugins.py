@@ -35,3 +35,8 @@ def raises_for_bad(path: Path) -> dict[str, np.ndarray]:
 def shape_changes(path: Path) -> dict[str, np.ndarray]:
     """Shape (4,) for every file but odd.bin, which gives (5,)."""
     return {"vec": np.full(5 if path.name == "odd.bin" else 4, len(path.name), np.int32)}
+
+
+def reserved_name(path: Path) -> dict[str, np.ndarray]:
+    """Uses a field name batchctl keeps for itself."""
+    return {"label": np.zeros(2, np.int64)}

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import batchctl
+from batchctl.inspect import verify
 from tests.conftest import (
     PLUGINS,
     kill_group,
@@ -41,6 +42,7 @@ def assert_exactly_once(out: Path, expected: set[str]) -> None:
     sources = [str(s) for b in ds for s in b["source"]]
     assert sorted(sources) == sorted(expected)
     assert ds.num_samples == len(expected)
+    assert [str(p) for p in verify(out)] == []  # every shard file there, every checksum sound
 
 
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])

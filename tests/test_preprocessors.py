@@ -258,3 +258,14 @@ def test_split_file_interrupted_and_resumed_lands_every_row_once(tmp_path: Path)
     order = np.argsort(index)
     assert np.array_equal(index[order], np.arange(140_000))
     assert np.array_equal(values[order], big)
+
+
+def test_plugin_using_a_reserved_field_name_is_refused_per_file(tmp_path: Path) -> None:
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.bin").write_bytes(b"x")
+    result = run_cli(
+        "build", tmp_path / "src", "-o", tmp_path / "o.zarr", "--preprocess", "tests.plugins:reserved_name"
+    )
+    assert result.returncode == 1
+    assert "skipped a.bin: field names label are batchctl's own" in result.stderr
+    assert "no samples were produced" in result.stderr and "Traceback" not in result.stderr
