@@ -16,7 +16,7 @@ import zarr
 
 from batchctl import __version__, staging
 from batchctl import format as fmt
-from batchctl.collate import CollatorConfig, Rejected
+from batchctl.collate import CollatorConfig, Finished, Rejected
 from batchctl.discover import Discovery, WorkItem, discover
 from batchctl.errors import BuildFailed, BuildInterrupted, FormatError, ResumeMismatchError, UsageError
 from batchctl.pipeline import Pipeline, PipelineConfig, PipelineError, Signalled, signals_raise
@@ -161,9 +161,7 @@ class _Builder:
         self.progress.close()
         if finished.samples == 0:
             raise BuildFailed(f"no samples were produced: all {len(discovery.items)} files were skipped", self.report)
-        self._publish(
-            discovery, fingerprint, finished.samples, finished.shards, finished.shard_batches, finished.schema
-        )
+        self._publish(discovery, fingerprint, finished)
         self.report.samples = finished.samples
         self.report.batches = fmt.num_batches(finished.samples, self.options.batch_size)
         self.report.shards = finished.shards
@@ -197,7 +195,7 @@ class _Builder:
         staging.discard(self.paths)
         self.paths.workdir.mkdir()
         group = zarr.open_group(str(self.paths.staging), mode="w")
-        fmt.write_attrs(group, self._attrs(discovery, "", 0, 0, self.options.shard_batches or 0, {}, complete=False))
+        fmt.write_attrs(group, self._attrs(discovery))
         staging.write_state(self.paths, {"spec": self.spec, "source": str(self.source), "classes": discovery.classes})
         return self._tasks(discovery, {})
 
@@ -280,20 +278,14 @@ class _Builder:
         if limit is not None and len(self.report.errors) > limit:
             raise BuildFailed(f"more than {limit} files were skipped with errors (--max-errors {limit})", self.report)
 
-    def _attrs(
-        self,
-        discovery: Discovery,
-        fingerprint: str,
-        samples: int,
-        shards: int,
-        shard_batches: int,
-        schema: dict[str, dict[str, Any]],
-        complete: bool,
-    ) -> fmt.DatasetAttrs:
+    def _attrs(self, discovery: Discovery, fingerprint: str = "", finished: Finished | None = None) -> fmt.DatasetAttrs:
+        """The group attributes: of a complete dataset once the collator `finished`, else of the
+        staging dataset, `complete` false."""
+        samples = finished.samples if finished else 0
         return fmt.DatasetAttrs(
             batch_size=self.options.batch_size,
-            shard_batches=shard_batches,
-            fields=schema,
+            shard_batches=finished.shard_batches if finished else self.options.shard_batches or 0,
+            fields=finished.schema if finished else {},
             classes=discovery.classes,
             preprocess=self.spec["preprocess"],
             compression=self.options.compression,
@@ -301,28 +293,18 @@ class _Builder:
             created=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             source=str(self.source),
             fingerprint=fingerprint,
-            complete=complete,
+            complete=finished is not None,
             num_samples=samples,
             num_batches=fmt.num_batches(samples, self.options.batch_size),
-            num_shards=shards,
+            num_shards=finished.shards if finished else 0,
             errors=len(self.report.errors),
             ignored=discovery.ignored,
         )
 
-    def _publish(
-        self,
-        discovery: Discovery,
-        fingerprint: str,
-        samples: int,
-        shards: int,
-        shard_batches: int,
-        schema: dict[str, dict[str, Any]],
-    ) -> None:
+    def _publish(self, discovery: Discovery, fingerprint: str, finished: Finished) -> None:
         """Mark the staging dataset complete (its last write), then move it into place."""
         group = zarr.open_group(str(self.paths.staging), mode="r+")
-        fmt.write_attrs(
-            group, self._attrs(discovery, fingerprint, samples, shards, shard_batches, schema, complete=True)
-        )
+        fmt.write_attrs(group, self._attrs(discovery, fingerprint, finished))
         staging.move_into_place(self.paths)
 
     def _end(self, status: Any, message: str = "") -> BuildReport:

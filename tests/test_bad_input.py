@@ -22,7 +22,7 @@ from PIL import Image, ImageOps
 import batchctl
 from tests.conftest import PLUGINS, processes_in_group, run_cli, start_cli, wait_for, wait_group_gone
 from tests.reference import mean_abs_diff, torchvision_reference
-from tests.test_faults import journal_shards
+from tests.test_faults import SLOW, journal_shards
 
 SMALL = ["--crop", "32", "--resize", "40"]
 
@@ -209,20 +209,7 @@ def test_full_disk_fails_cleanly_and_resumes_once_fixed(image_folder: Path, tmp_
 
 def test_collator_killed_fails_cleanly(image_folder: Path, tmp_path: Path) -> None:
     out = tmp_path / "o.zarr"
-    proc = start_cli(
-        "build",
-        image_folder,
-        "-o",
-        out,
-        "--preprocess",
-        f"{PLUGINS}:slow_image",
-        "--batch-size",
-        "4",
-        "--shard-batches",
-        "1",
-        "--workers",
-        "2",
-    )
+    proc = start_cli("build", image_folder, "-o", out, *SLOW)
     wait_for(lambda: journal_shards(out) >= 1)
     collators = [pid for pid in processes_in_group(proc.pid) if _comm(pid) == "batchctl-collat"]
     assert len(collators) == 1
@@ -231,20 +218,7 @@ def test_collator_killed_fails_cleanly(image_folder: Path, tmp_path: Path) -> No
     assert proc.returncode == 1 and "the collator process died" in stderr and "Traceback" not in stderr
     assert not out.exists()
     assert wait_group_gone(proc.pid) == []
-    resumed = run_cli(
-        "build",
-        image_folder,
-        "-o",
-        out,
-        "--preprocess",
-        f"{PLUGINS}:slow_image",
-        "--batch-size",
-        "4",
-        "--shard-batches",
-        "1",
-        "--workers",
-        "2",
-    )
+    resumed = run_cli("build", image_folder, "-o", out, *SLOW)
     assert resumed.returncode == 0 and batchctl.open(out).num_samples == 60
 
 
