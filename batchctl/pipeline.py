@@ -15,6 +15,7 @@ import multiprocessing as mp
 import os
 import queue
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -25,6 +26,7 @@ from typing import Any
 from batchctl.collate import CollatorConfig, Crashed, End, Event, Finished, Rejected, ShardWritten, run_collator
 from batchctl.preprocess import Preprocessor
 from batchctl.progress import Progress
+from batchctl.staging import signals_ignored
 from batchctl.workers import (
     BoundedFeed,
     Task,
@@ -59,6 +61,10 @@ def signals_raise() -> Iterator[None]:
 
     def handler(signum: int, frame: object) -> None:
         raise Signalled(signum)
+
+    if threading.current_thread() is not threading.main_thread():  # build() called from a thread
+        yield
+        return
 
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -239,8 +245,7 @@ class Pipeline:
 
     def _abort(self) -> None:
         """End every child now; queued data is dropped (what was journaled stays for resume)."""
-        previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
+        with signals_ignored():
             if self.feed is not None:
                 self.feed.stop()
             if self.pool is not None:
@@ -256,9 +261,6 @@ class Pipeline:
             self.inbox.close()
             if self.pool is not None:
                 self.pool.join()
-        finally:
-            for sig, old in previous.items():
-                signal.signal(sig, old)
 
 
 def _exit_text(code: int | None) -> str:

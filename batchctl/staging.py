@@ -8,12 +8,16 @@ older dataset is there), so readers see the old dataset or the new one, never a 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
 import json
 import os
 import shutil
+import signal
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -157,15 +161,35 @@ def _exchange(a: Path, b: Path) -> bool:
 
 
 def move_into_place(paths: BuildPaths) -> None:
-    """Publish the staging dataset at OUTPUT, then drop the work folder (and any old dataset)."""
-    if not paths.output.exists():
-        os.rename(paths.staging, paths.output)
-    elif not _exchange(paths.staging, paths.output):
-        old = paths.workdir / "replaced.zarr"
-        os.rename(paths.output, old)
-        os.rename(paths.staging, paths.output)
-    _fsync_dir(paths.output.parent)
+    """Publish the staging dataset at OUTPUT, then drop the work folder (and any old dataset).
+
+    SIGINT/SIGTERM wait until the dataset is in place and the work folder can no longer be taken
+    for an interrupted build (its state file is gone): stopping half-way through these few
+    renames would leave both in doubt. Deleting the old dataset may be interrupted freely.
+    """
+    with signals_ignored():
+        if not paths.output.exists():
+            os.rename(paths.staging, paths.output)
+        elif not _exchange(paths.staging, paths.output):
+            os.rename(paths.output, paths.workdir / "replaced.zarr")
+            os.rename(paths.staging, paths.output)
+        _fsync_dir(paths.output.parent)
+        paths.state.unlink(missing_ok=True)
     discard(paths)
+
+
+@contextlib.contextmanager
+def signals_ignored() -> Iterator[None]:
+    """SIGINT and SIGTERM ignored for the duration (only the main thread may set handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -258,3 +258,19 @@ def test_modes_and_tiny_images_are_handled(tmp_path: Path) -> None:
     rows = {str(s): img for b in ds for s, img in zip(b["source"], b["image"], strict=True)}
     for name in ("grey.png", "palette.png", "rgba.png", "cmyk.jpg", "grey16.png", "img.webp"):
         assert mean_abs_diff(rows[name], torchvision_reference(src / name, 40, 32)) <= 3.0, name
+
+
+def test_python_api_works_from_a_thread(image_folder: Path, tmp_path: Path) -> None:
+    import threading
+
+    reports: list[batchctl.BuildReport] = []
+    worker = threading.Thread(
+        target=lambda: reports.append(
+            batchctl.build(
+                image_folder / "fish", tmp_path / "t.zarr", workers=1, preprocess_options={"crop": 8, "resize": 8}
+            )
+        )
+    )
+    worker.start()
+    worker.join(120)
+    assert reports and reports[0].status == "complete" and reports[0].samples == 20
