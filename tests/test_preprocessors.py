@@ -269,3 +269,26 @@ def test_plugin_using_a_reserved_field_name_is_refused_per_file(tmp_path: Path) 
     assert result.returncode == 1
     assert "skipped a.bin: field names label are batchctl's own" in result.stderr
     assert "no samples were produced" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    "array",
+    [
+        np.arange(12, dtype=">i4").reshape(3, 4),
+        np.asfortranarray(np.ones((3, 5))),
+        np.array(3.5),
+        np.zeros((0, 2), np.float16),
+        np.array([(1, 2.0)], dtype=[("a", "i2"), ("b", "f8")]),
+    ],
+)
+def test_small_npy_reader_matches_np_load(array: np.ndarray) -> None:
+    import io
+
+    from batchctl.preprocess.npy import read_small_npy
+
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    got = read_small_npy(buffer.getvalue())
+    assert got.dtype == array.dtype and got.shape == array.shape and np.array_equal(got, array)
+    with pytest.raises(ValueError):
+        read_small_npy(buffer.getvalue()[: -max(1, array.nbytes // 2)] if array.nbytes else b"junk")
