@@ -145,29 +145,40 @@ class Collator:
         return _Shard(columns)
 
     def add(self, output: TaskOutput) -> None:
-        """Copy a task's rows into the shard being filled, writing each shard as it fills up."""
-        task, item = output.task, output.task.item
+        """Copy an output's rows into the shard being filled, writing each shard as it fills up."""
         first_row = {name: column[0] for name, column in output.columns.items()}
         reason = check_schema(self.schema or {n: fmt.FieldSpec.of(v) for n, v in first_row.items()}, first_row)
-        if reason:  # (the worker checked that the task's rows agree with each other)
-            self.events.put(Rejected(item.relpath, reason, output.rows))
+        if reason:  # (the worker checked that the rows of one output agree with each other)
+            for task, rows in output.parts:
+                self.events.put(Rejected(task.item.relpath, reason, rows))
             return
         if self.schema is None:
             self._start(first_row)
         assert self.schema is not None and self.layout is not None and self.shard is not None
+        counts = [rows for _, rows in output.parts]
+        source_index = np.concatenate([np.arange(t.first + t.skip, t.first + t.skip + n) for t, n in output.parts])
+        labels = np.repeat([task.item.label for task, _ in output.parts], counts)
+        sources = [task.item.relpath for task, rows in output.parts for _ in range(rows)]
+        parts = iter(output.parts)
+        task, left = next(parts)  # the task whose rows come next, and how many of them are left
         done = 0
         while done < output.rows:
             shard, start = self.shard, self.shard.rows
             take = min(output.rows - done, self.layout.shard_rows - start)
             for name, column in output.columns.items():
                 shard.columns[name][start : start + take] = column[done : done + take]
-            first_index = task.first + task.skip + done
-            shard.columns[fmt.SOURCE_INDEX][start : start + take] = np.arange(first_index, first_index + take)
+            shard.columns[fmt.SOURCE_INDEX][start : start + take] = source_index[done : done + take]
             if self.config.labelled:
-                shard.columns[fmt.LABEL][start : start + take] = item.label
-            shard.sources.extend([item.relpath] * take)
+                shard.columns[fmt.LABEL][start : start + take] = labels[done : done + take]
+            shard.sources.extend(sources[done : done + take])
             done += take
-            shard.entries.append([item.relpath, take, done == output.rows, item.size, item.mtime_ns, task.first])
+            while take:  # journal what of each task this shard holds
+                placed = min(left, take)
+                take, left = take - placed, left - placed
+                item = task.item
+                shard.entries.append([item.relpath, placed, left == 0, item.size, item.mtime_ns, task.first])
+                if left == 0 and (take or done < output.rows):  # more rows follow: the next task's
+                    task, left = next(parts)
             if shard.rows == self.layout.shard_rows:
                 self._write(journal=True)
 

@@ -46,10 +46,11 @@ class Task:
 
 @dataclass(frozen=True)
 class TaskOutput:
-    """The samples of one task, stacked field by field (row i of each column is sample i), so the
-    collator copies whole blocks instead of looping over samples."""
+    """The samples of one or more tasks, stacked field by field (row i of each column is sample i),
+    so the collator copies whole blocks instead of looping over samples or tiny files.
+    `parts` lists each task with its number of rows, in row order."""
 
-    task: Task
+    parts: list[tuple[Task, int]]
     columns: dict[str, np.ndarray]
 
     @property
@@ -189,10 +190,33 @@ def run_chunk(tasks: list[Task]) -> list[TaskResult]:
             if output is not None:
                 outputs.append(output)
         if outputs:
-            _worker["outbox"].put(outputs)
+            _worker["outbox"].put(merge_outputs(outputs))
     finally:
         slots.end(_worker["slot"])
     return results
+
+
+def merge_outputs(outputs: list[TaskOutput]) -> list[TaskOutput]:
+    """Runs of outputs whose fields have the same row shapes and dtypes, each merged into one."""
+    runs: list[list[TaskOutput]] = []
+    for output in outputs:
+        if runs and _row_specs(runs[-1][0]) == _row_specs(output):
+            runs[-1].append(output)
+        else:
+            runs.append([output])
+    return [
+        run[0]
+        if len(run) == 1
+        else TaskOutput(
+            [part for output in run for part in output.parts],
+            {name: np.concatenate([output.columns[name] for output in run]) for name in run[0].columns},
+        )
+        for run in runs
+    ]
+
+
+def _row_specs(output: TaskOutput) -> dict[str, tuple[tuple[int, ...], np.dtype[Any]]]:
+    return {name: (column.shape[1:], column.dtype) for name, column in output.columns.items()}
 
 
 def _preprocess(task: Task) -> tuple[TaskResult, TaskOutput | None]:
@@ -203,7 +227,8 @@ def _preprocess(task: Task) -> tuple[TaskResult, TaskOutput | None]:
     except Exception as exc:  # noqa: BLE001 - any failure of one file is that file's error
         reason = describe_error(exc).replace(f" '{path}'", "").replace(str(path), task.item.relpath)
         return TaskResult(task, 0, reason), None
-    output = TaskOutput(task, {name: column[task.skip :] for name, column in columns.items()})
+    columns = {name: column[task.skip :] for name, column in columns.items()}
+    output = TaskOutput([(task, len(next(iter(columns.values()))))], columns)
     if output.rows == 0:  # an interrupted run already wrote all of it
         return TaskResult(task, 0), None
     return TaskResult(task, output.rows), output

@@ -170,21 +170,31 @@ def bench_images(root: Path, count: int, results: dict[str, Any]) -> None:
 
 
 def bench_tiny(root: Path, count: int, results: dict[str, Any]) -> None:
+    """Many tiny .npy files: end to end on `count` files, and the marginal rate from `count` to
+    2 x `count` files (hard links under other names), which leaves out the fixed start-up cost."""
     src = root / "tiny"
     src.mkdir()
     rng = np.random.default_rng(0)
     for i in range(count):
         np.save(src / f"{i:06d}.npy", rng.random(16, dtype=np.float32))
+    double = root / "tiny2x"
+    double.mkdir()
+    for path in src.iterdir():
+        os.link(path, double / path.name)
+        os.link(path, double / f"b{path.name}")
     from batchctl.preprocess.npy import preprocess_npy
 
     files = sorted(src.iterdir())
     r = serial_rate(files, preprocess_npy)
-    out = root / "tiny.zarr"
-    elapsed, peak, _ = run_measured(batchctl_cmd(src, out, CORES, "--preprocess", "npy", "--batch-size", "256"))
+    args = ("--preprocess", "npy", "--batch-size", "256")
+    elapsed, peak, _ = run_measured(batchctl_cmd(src, root / "tiny.zarr", CORES, *args))
+    elapsed_2x, _, _ = run_measured(batchctl_cmd(double, root / "tiny2x.zarr", CORES, *args))
     results["tiny"] = {
         "files": count,
         "serial_rate": round(r, 1),
         "samples_per_s": round(count / elapsed, 1),
+        "marginal_samples_per_s": round(count / (elapsed_2x - elapsed), 1),
+        "fixed_cost_s": round(2 * elapsed - elapsed_2x, 2),
         "peak_rss_mib": round(peak / 2**20, 1),
     }
 
