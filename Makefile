@@ -22,7 +22,9 @@ lint: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) examples/make_images.py demo/images --count 200
-	$(VENV)/bin/batchctl build demo/images -o demo/images.zarr --batch-size 32 --force
+	$(VENV)/bin/batchctl build demo/images -o demo/images.zarr --batch-size 32 --seed 0 --force
+	$(VENV)/bin/batchctl info demo/images.zarr
+	$(VENV)/bin/batchctl preview demo/images.zarr -o demo/preview.png
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py
