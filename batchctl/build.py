@@ -125,6 +125,7 @@ class _Builder:
                 raise
 
     def _run_locked(self) -> BuildReport:
+        staging.sweep_semaphores(self.paths)  # left by a build killed with its whole process group
         discovery = discover(self.source, self.preprocessor.accepts, self.options.seed)
         self.report.ignored = discovery.ignored
         fingerprint = discovery.fingerprint([self.spec, discovery.classes])
@@ -147,7 +148,8 @@ class _Builder:
             self.source,
             self.options.workers,
             self.options.timeout,
-            CollatorConfig(
+            paths=self.paths,
+            collator=CollatorConfig(
                 dataset=self.paths.staging,
                 journal=self.paths.journal,
                 batch_size=self.options.batch_size,

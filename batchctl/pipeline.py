@@ -26,7 +26,7 @@ from typing import Any
 from batchctl.collate import CollatorConfig, Crashed, End, Event, Finished, Rejected, ShardWritten, run_collator
 from batchctl.preprocess import Preprocessor
 from batchctl.progress import Progress
-from batchctl.staging import signals_ignored
+from batchctl.staging import BuildPaths, record_semaphores, signals_ignored
 from batchctl.workers import (
     BoundedFeed,
     Task,
@@ -82,6 +82,7 @@ class PipelineConfig:
     workers: int
     timeout: float | None
     collator: CollatorConfig
+    paths: BuildPaths
 
 
 class Pipeline:
@@ -109,6 +110,7 @@ class Pipeline:
         self.pool: Any = None
         self.feed: BoundedFeed | None = None
         self.slots = WorkerSlots(self.ctx, 2 * config.workers + 8)
+        record_semaphores(config.paths, semaphore_names(self.inbox, self.events, self.slots.lock))
         self.pending: dict[int, Task] = {}
         self.chunk_of: dict[int, list[Task]] = {}
         self.seen_workers: dict[int, Any] = {}
@@ -135,6 +137,8 @@ class Pipeline:
                 self.ctx, cfg.workers, cfg.preprocessor.name, cfg.options, cfg.source, self.inbox, self.slots
             )
             exit_codes(self.pool, self.seen_workers)
+            pool_queues = (self.pool._inqueue, self.pool._outqueue, self.pool._change_notifier)
+            record_semaphores(cfg.paths, semaphore_names(*pool_queues))
             chunks = chunked(tasks, cfg.workers)
             self.chunk_of = {task.index: chunk for chunk in chunks for task in chunk}
             self.feed = BoundedFeed(chunks, CHUNKS_PER_WORKER * cfg.workers)
@@ -261,6 +265,14 @@ class Pipeline:
             self.inbox.close()
             if self.pool is not None:
                 self.pool.join()
+
+
+def semaphore_names(*objects: Any) -> list[str]:
+    """Names of the POSIX semaphores behind multiprocessing locks and queues."""
+    locks = [getattr(obj, attr, None) for obj in objects for attr in ("_rlock", "_wlock", "_sem")]
+    locks += [obj for obj in objects if hasattr(obj, "_semlock")]
+    names = (getattr(getattr(lock, "_semlock", None), "name", None) for lock in locks)
+    return [name for name in names if name]
 
 
 def _exit_text(code: int | None) -> str:

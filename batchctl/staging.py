@@ -8,6 +8,7 @@ older dataset is there), so readers see the old dataset or the new one, never a 
 
 from __future__ import annotations
 
+import _multiprocessing
 import contextlib
 import ctypes
 import errno
@@ -46,6 +47,10 @@ class BuildPaths:
     @property
     def state(self) -> Path:
         return self.workdir / "state.json"
+
+    @property
+    def semaphores(self) -> Path:
+        return self.workdir / "semaphores.txt"
 
     @property
     def lock(self) -> Path:
@@ -138,6 +143,29 @@ def rewrite_journal(paths: BuildPaths, shards: list[dict[str, Any]]) -> None:
         journal.writelines(json.dumps(entry) + "\n" for entry in shards)
         journal.flush()
         os.fsync(journal.fileno())
+
+
+def record_semaphores(paths: BuildPaths, names: list[str]) -> None:
+    """Note the POSIX semaphores this build's queues and locks use (files in /dev/shm).
+
+    multiprocessing unlinks them when the build ends, or its resource tracker does when the build
+    dies; a SIGKILL of the whole process group kills the tracker too and leaves them behind, so
+    the next build of this OUTPUT sweeps what is listed here.
+    """
+    with open(paths.semaphores, "a", encoding="utf-8") as listing:
+        listing.writelines(name + "\n" for name in names)
+
+
+def sweep_semaphores(paths: BuildPaths) -> None:
+    """Unlink the semaphores a dead build of this OUTPUT left (we hold its lock: it is dead)."""
+    try:
+        names = paths.semaphores.read_text(encoding="utf-8").split()
+    except OSError:
+        return
+    for name in names:
+        with contextlib.suppress(OSError):
+            _multiprocessing.sem_unlink(name)
+    paths.semaphores.unlink(missing_ok=True)
 
 
 def discard(paths: BuildPaths) -> None:

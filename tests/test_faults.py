@@ -78,6 +78,7 @@ def test_many_random_interruptions_then_exactly_once(image_folder: Path, tmp_pat
     resuming each time; the finished dataset holds every input exactly once."""
     rng = random.Random(20261202)
     out = tmp_path / "data.zarr"
+    shm_before = shm_segments()
     args = ["build", image_folder, "-o", out, *SLOW, "--option", "delay=0.01"]
     for _ in range(20):
         proc = start_cli(*args)
@@ -94,10 +95,12 @@ def test_many_random_interruptions_then_exactly_once(image_folder: Path, tmp_pat
     result = run_cli(*args)
     assert result.returncode == 0, result.stderr
     assert_exactly_once(out, image_files(image_folder))
+    assert shm_segments() <= shm_before
 
 
 def test_kill_9_of_the_whole_group_then_resume(image_folder: Path, tmp_path: Path) -> None:
     out, report = tmp_path / "data.zarr", tmp_path / "r.json"
+    shm_before = shm_segments()
     proc = start_cli("build", image_folder, "-o", out, *SLOW)
     wait_for(lambda: journal_shards(out) >= 3)
     kill_group(proc, signal.SIGKILL)
@@ -108,6 +111,7 @@ def test_kill_9_of_the_whole_group_then_resume(image_folder: Path, tmp_path: Pat
     assert result.returncode == 0, result.stderr
     assert json.loads(report.read_text())["resumed_shards"] >= 3
     assert_exactly_once(out, image_files(image_folder))
+    assert shm_segments() <= shm_before  # the killed build's semaphores were swept by the rerun
 
 
 def test_a_killed_worker_costs_only_its_file(image_folder: Path, tmp_path: Path) -> None:
