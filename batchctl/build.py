@@ -105,6 +105,7 @@ class _Builder:
         self.report = BuildReport(str(source), str(output))
         self.started = time.monotonic()
         self.new_samples = 0
+        self.resumed_batches = 0  # batches kept from an interrupted run (whole shards: full batches)
 
     def run(self) -> BuildReport:
         if not self.output.parent.is_dir():
@@ -141,7 +142,7 @@ class _Builder:
         for relpath, reason in discovery.unreadable:
             self._error(relpath, reason)
         split = any(task.part for task in tasks)
-        self.progress.start(len(tasks), self.report.resumed_shards * self._shard_batches_on_disk(), split)
+        self.progress.start(len(tasks), self.resumed_batches, split)
         config = PipelineConfig(
             self.preprocessor,
             self.pp_options,
@@ -227,6 +228,7 @@ class _Builder:
             fmt.truncate(arrays, layout, self.paths.staging, len(shards))
         staging.rewrite_journal(self.paths, shards)
         self.report.resumed_shards = len(shards)
+        self.resumed_batches = sum(shard["rows"] for shard in shards) // self.options.batch_size
         if shards:
             self.progress.info(f"resuming: {len(shards)} shards kept from the interrupted build")
         return self._tasks(discovery, written)
@@ -254,13 +256,6 @@ class _Builder:
             return [None]
         per_part = max(1, math.ceil(total * PART_BYTES / item.size))
         return [(start, min(start + per_part, total)) for start in range(0, total, per_part)]
-
-    def _shard_batches_on_disk(self) -> int:
-        try:
-            source = zarr.open_array(str(self.paths.staging / fmt.SOURCE), mode="r")
-        except Exception:  # noqa: BLE001 - no arrays yet
-            return 0
-        return int(source.shards[0] // source.chunks[0])  # type: ignore[index]
 
     def _on_result(self, result: TaskResult) -> None:
         if result.task.first == 0:

@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,26 +15,11 @@ import batchctl
 from batchctl.synthetic import make_image_folder
 
 
-def bench_read(root: Path, results: dict[str, Any], images: int = 1024) -> None:
+def bench_read(root: Path, results: dict[str, Any], build_cmd: Callable[..., list[str]], images: int = 1024) -> None:
     src = root / "read-images"
     make_image_folder(src, images, sides=(260, 400))
     out = root / "read.zarr"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "batchctl",
-            "build",
-            str(src),
-            "-o",
-            str(out),
-            "--quiet",
-            "--force",
-            "--batch-size",
-            "64",
-        ],
-        check=True,
-    )
+    subprocess.run(build_cmd(src, out, "--batch-size", "64"), check=True)
     ds = batchctl.open(out)
     whole = np.concatenate([ds[i]["image"] for i in range(len(ds))])
     npy = root / "images.npy"

@@ -241,7 +241,7 @@ def main() -> None:
         if "read" in todo:
             from read import bench_read
 
-            bench_read(root, results)
+            bench_read(root, results, lambda src, out, *extra: batchctl_cmd(src, out, CORES, *extra))
         shutil.rmtree(root, ignore_errors=True)
     print(json.dumps(results, indent=2))
     out_dir = HERE / "results"
