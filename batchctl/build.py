@@ -14,7 +14,7 @@ from typing import Any
 
 import zarr
 
-from batchctl import __version__, staging
+from batchctl import __version__, staging, storage
 from batchctl import format as fmt
 from batchctl.collate import CollatorConfig, Finished, Rejected
 from batchctl.discover import Discovery, WorkItem, discover
@@ -24,7 +24,7 @@ from batchctl.preprocess import Preprocessor, resolve
 from batchctl.progress import Progress
 from batchctl.report import BuildReport, FileError
 from batchctl.staging import BuildLock, BuildPaths
-from batchctl.workers import Task, TaskResult
+from batchctl.workers import Task, TaskResult, describe_error
 
 PART_BYTES = 16 * 2**20  # big files are split into parts of about this much input
 
@@ -49,6 +49,7 @@ class BuildOptions:
     force: bool = False
     timeout: float | None = None
     include: tuple[str, ...] = ()
+    storage_options: Mapping[str, Any] = field(default_factory=dict)  # for a URL OUTPUT (fsspec)
 
     def __post_init__(self) -> None:
         if self.timeout is not None and not self.timeout > 0:
@@ -91,26 +92,28 @@ def build(
     `BuildInterrupted`, both carrying the report, when it ends otherwise.
     """
     opts = BuildOptions(**options)
-    builder = _Builder(Path(source).absolute(), Path(output).absolute(), opts, progress or Progress())
+    builder = _Builder(Path(source).absolute(), storage.normalise(output), opts, progress or Progress())
     return builder.run()
 
 
 class _Builder:
-    def __init__(self, source: Path, output: Path, options: BuildOptions, progress: Progress) -> None:
+    def __init__(self, source: Path, output: str, options: BuildOptions, progress: Progress) -> None:
         self.source, self.output, self.options, self.progress = source, output, options, progress
         self.preprocessor = dataclasses.replace(resolve(options.preprocess), include=tuple(options.include))
         self.pp_options = self.preprocessor.options(options.preprocess_options)
         self.spec = dataset_spec(options, self.preprocessor, self.pp_options)
-        self.paths = BuildPaths(output)
-        self.report = BuildReport(str(source), str(output))
+        self.paths = BuildPaths(output, options.storage_options)
+        self.report = BuildReport(str(source), output)
         self.started = time.monotonic()
         self.new_samples = 0
         self.resumed_batches = 0  # batches kept from an interrupted run (whole shards: full batches)
 
     def run(self) -> BuildReport:
-        if not self.output.parent.is_dir():
-            raise UsageError(f"OUTPUT's folder {self.output.parent} does not exist.")
-        staging.check_replaceable(self.output)
+        if storage.is_url(self.output):
+            _check_store_reachable(self.paths)
+        elif not self.paths.output.parent.is_dir():
+            raise UsageError(f"OUTPUT's folder {self.paths.output.parent} does not exist.")
+        staging.check_replaceable(self.paths)
         with BuildLock(self.paths.lock), signals_raise():
             try:
                 return self._run_locked()
@@ -151,8 +154,7 @@ class _Builder:
             self.options.timeout,
             paths=self.paths,
             collator=CollatorConfig(
-                dataset=self.paths.staging,
-                journal=self.paths.journal,
+                paths=self.paths,
                 batch_size=self.options.batch_size,
                 shard_batches=self.options.shard_batches,
                 compression=self.options.compression,
@@ -168,12 +170,12 @@ class _Builder:
         self.report.samples = finished.samples
         self.report.batches = fmt.num_batches(finished.samples, self.options.batch_size)
         self.report.shards = finished.shards
-        self.report.bytes = _tree_bytes(self.output)
+        self.report.bytes = storage.tree_bytes(self.output, self.options.storage_options)
         return self._end("complete")
 
     def _up_to_date(self, fingerprint: str) -> bool:
         try:
-            _, attrs = fmt.open_group(self.output)
+            _, attrs = fmt.open_group(self.output, storage_options=self.options.storage_options)
         except Exception:  # noqa: BLE001 - anything unreadable is simply not up to date
             return False
         if attrs.fingerprint != fingerprint:
@@ -183,7 +185,7 @@ class _Builder:
             attrs.num_batches,
             attrs.num_shards,
         )
-        self.report.bytes = _tree_bytes(self.output)
+        self.report.bytes = storage.tree_bytes(self.output, self.options.storage_options)
         return True
 
     def _plan(self, discovery: Discovery) -> list[Task]:
@@ -195,9 +197,8 @@ class _Builder:
             tasks = self._resume(discovery, state)
             if tasks is not None:
                 return tasks
-        staging.discard(self.paths)
-        self.paths.workdir.mkdir()
-        group = zarr.open_group(str(self.paths.staging), mode="w")
+        staging.start_workdir(self.paths)
+        group = zarr.open_group(self.paths.staging_url, mode="w", **self.paths.zarr_kwargs())
         fmt.write_attrs(group, self._attrs(discovery))
         staging.write_state(self.paths, {"spec": self.spec, "source": str(self.source), "classes": discovery.classes})
         return self._tasks(discovery, {})
@@ -220,12 +221,16 @@ class _Builder:
             if item is None or (item.size, item.mtime_ns) != (size, mtime_ns):
                 self.progress.info(f"{relpath} changed or vanished since the interrupted build; starting over")
                 return None
-        group = zarr.open_group(str(self.paths.staging), mode="r+")
+        group = zarr.open_group(self.paths.staging_url, mode="r+", **self.paths.zarr_kwargs())
         arrays = fmt.open_arrays(group)
         if arrays:
             source = arrays[fmt.SOURCE]
             layout = fmt.Layout(source.chunks[0], source.shards[0] // source.chunks[0])  # type: ignore[index]
-            fmt.truncate(arrays, layout, self.paths.staging, len(shards))
+            if self.paths.remote:
+                fs, root = self.paths.fs, storage.fs_path(self.paths.staging_url)
+            else:
+                fs, root = storage.local_filesystem(), self.paths.staging_url
+            fmt.truncate(arrays, layout, fs, root, len(shards))
         staging.rewrite_journal(self.paths, shards)
         self.report.resumed_shards = len(shards)
         self.resumed_batches = sum(shard["rows"] for shard in shards) // self.options.batch_size
@@ -300,7 +305,7 @@ class _Builder:
 
     def _publish(self, discovery: Discovery, fingerprint: str, finished: Finished) -> None:
         """Mark the staging dataset complete (its last write), then move it into place."""
-        group = zarr.open_group(str(self.paths.staging), mode="r+")
+        group = zarr.open_group(self.paths.staging_url, mode="r+", **self.paths.zarr_kwargs())
         fmt.write_attrs(group, self._attrs(discovery, fingerprint, finished))
         staging.move_into_place(self.paths)
 
@@ -331,5 +336,12 @@ def _os_error_text(exc: OSError) -> str:
     return f"{exc.strerror or exc}{where}"
 
 
-def _tree_bytes(root: Path) -> int:
-    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+def _check_store_reachable(paths: BuildPaths) -> None:
+    """Fail early, in one line, when the store cannot be reached or the bucket is missing."""
+    bucket = storage.fs_path(paths.url).split("/", 1)[0]
+    try:
+        found = paths.fs.exists(bucket)
+    except Exception as exc:  # noqa: BLE001 - the store's client raises many kinds
+        raise BuildFailed(f"cannot reach {paths.url}: {describe_error(exc)}", BuildReport("", paths.url)) from None
+    if not found:
+        raise UsageError(f"OUTPUT {paths.url}: no bucket {bucket!r} (or these credentials cannot see it).")

@@ -17,6 +17,7 @@ from batchctl import __version__
 from batchctl.errors import BatchctlError, BuildFailed, BuildInterrupted, UsageError
 from batchctl.progress import ConsoleProgress
 from batchctl.report import BuildReport
+from batchctl.storage import parse_storage_options
 
 EXIT_CODES = """Exit codes: 0 success or up to date; 1 failed build; 2 usage error;
 130 interrupted (SIGINT); 143 terminated (SIGTERM)."""
@@ -60,10 +61,19 @@ def main(
     """batchctl: preprocess once, train from ready batches."""
 
 
+STORAGE_OPTION = typer.Option(
+    "--storage-option",
+    help="For a URL: an fsspec storage option key=value (repeatable; e.g. endpoint_url=http://host:9000, "
+    "anon=true). Credentials otherwise come from the usual environment (AWS_ACCESS_KEY_ID, ...).",
+)
+
+
 @app.command(epilog=EXIT_CODES)
 def build(
     source: Annotated[Path, typer.Argument(help="Folder of input files, walked recursively (hidden files ignored).")],
-    output: Annotated[Path, typer.Option("-o", "--output", help="Where to write the Zarr v3 dataset.")],
+    output: Annotated[
+        str, typer.Option("-o", "--output", help="Where to write the Zarr v3 dataset: a path or a URL (s3://...).")
+    ],
     batch_size: Annotated[int, typer.Option(help="Samples per batch (= rows per chunk).", min=1)] = 64,
     workers: Annotated[Optional[int], typer.Option(help="Preprocessing processes (default: all cores).", min=1)] = None,
     preprocess: Annotated[
@@ -99,9 +109,11 @@ def build(
         Optional[float], typer.Option(help="Seconds one file may take; a slower one is killed and skipped.", min=0.001)
     ] = None,
     report: Annotated[Optional[Path], typer.Option(help="Write a JSON report of the build here.")] = None,
+    storage_option: Annotated[Optional[list[str]], STORAGE_OPTION] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only errors.")] = False,
 ) -> None:
-    """Preprocess every file under SOURCE into batches and write them to OUTPUT."""
+    """Preprocess every file under SOURCE into batches and write them to OUTPUT (a folder, or a URL
+    of an object store such as s3://bucket/data.zarr)."""
     progress = ConsoleProgress(quiet=quiet)
     options: dict[str, Any] = {
         "batch_size": batch_size,
@@ -118,6 +130,7 @@ def build(
     if workers is not None:
         options["workers"] = workers
     try:
+        options["storage_options"] = parse_storage_options(storage_option or [])
         pp_options = dict(_parse_option(text) for text in option or [])
         named = {
             "resize": resize,
@@ -149,14 +162,15 @@ def build(
 
 @app.command(epilog=EXIT_CODES)
 def info(
-    path: Annotated[Path, typer.Argument(help="A batchctl dataset.")],
+    path: Annotated[str, typer.Argument(help="A batchctl dataset: a path or a URL.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    storage_option: Annotated[Optional[list[str]], STORAGE_OPTION] = None,
 ) -> None:
     """Show counts, fields, layout, compression, size on disk, classes and build options."""
     from batchctl.inspect import info as read_info
 
     try:
-        data = read_info(path)
+        data = read_info(path, parse_storage_options(storage_option or []))
     except BatchctlError as exc:
         _fail(str(exc), 1)
     if as_json:
@@ -188,8 +202,9 @@ def _describe(data: dict[str, Any]) -> str:
 
 @app.command(epilog=EXIT_CODES)
 def verify(
-    path: Annotated[Path, typer.Argument(help="A batchctl dataset.")],
+    path: Annotated[str, typer.Argument(help="A batchctl dataset: a path or a URL.")],
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only problems.")] = False,
+    storage_option: Annotated[Optional[list[str]], STORAGE_OPTION] = None,
 ) -> None:
     """Read every chunk of every array: checksums, shapes, counts, unique sources. Exit 1 on any problem."""
     from tqdm import tqdm
@@ -198,9 +213,10 @@ def verify(
     from batchctl.reader import open as open_dataset
 
     try:
-        total = open_dataset(path, allow_partial=True).num_batches
+        storage_options = parse_storage_options(storage_option or [])
+        total = open_dataset(path, allow_partial=True, storage_options=storage_options).num_batches
         with tqdm(total=total, desc="verify", unit="batch", disable=quiet or not sys.stderr.isatty()) as bar:
-            problems = run_verify(path, on_batch=bar.update)
+            problems = run_verify(path, on_batch=bar.update, storage_options=storage_options)
     except BatchctlError as exc:
         _fail(str(exc), 1)
     for problem in problems:

@@ -8,27 +8,25 @@ with the field and both shapes.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.queues import Queue, SimpleQueue
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import zarr
 
 from batchctl import format as fmt
+from batchctl import staging, storage
 from batchctl.preprocess import Sample
+from batchctl.staging import BuildPaths
 from batchctl.workers import TaskOutput, describe_error, init_child
 
 
 @dataclass(frozen=True)
 class CollatorConfig:
-    dataset: Path
-    journal: Path
+    paths: BuildPaths
     batch_size: int
     shard_batches: int | None
     compression: str
@@ -103,7 +101,7 @@ class Collator:
     def __init__(self, config: CollatorConfig, events: Queue[Event]) -> None:
         self.config = config
         self.events = events
-        self.group = zarr.open_group(str(config.dataset), mode="r+")
+        self.group = zarr.open_group(config.paths.staging_url, mode="r+", **config.paths.zarr_kwargs())
         self.arrays = fmt.open_arrays(self.group)
         self.schema: fmt.Schema | None = None
         self.layout: fmt.Layout | None = None
@@ -201,20 +199,26 @@ class Collator:
         columns = {name: col[: shard.rows] for name, col in shard.columns.items()}
         columns[fmt.SOURCE] = np.array(shard.sources, dtype=object)
         fmt.write_shard(self.arrays, self.layout, index, columns)
-        files = fmt.shard_files(self.config.dataset, list(self.arrays), index)
-        fmt.fsync_paths(files)
-        written = sum(path.stat().st_size for path in files)
+        written = self._make_durable(index)
         self.nbytes += written
         if journal:
             self._journal(index, shard)
         self.events.put(ShardWritten(index, shard.rows, written))
 
+    def _make_durable(self, index: int) -> int:
+        """fsync shard `index`'s files (an object store's PUT is durable once it returns);
+        its bytes on disk."""
+        paths = self.config.paths
+        keys = fmt.shard_keys(self.arrays, index)
+        if paths.remote:
+            root = storage.fs_path(paths.staging_url)
+            return sum(int(paths.fs.size(f"{root}/{key}")) for key in keys)
+        files = [path for key in keys if (path := paths.staging / key).is_file()]
+        fmt.fsync_paths(files)
+        return sum(path.stat().st_size for path in files)
+
     def _journal(self, index: int, shard: _Shard) -> None:
-        line = json.dumps({"shard": index, "rows": shard.rows, "files": shard.entries})
-        with open(self.config.journal, "a", encoding="utf-8") as journal:
-            journal.write(line + "\n")
-            journal.flush()
-            os.fsync(journal.fileno())
+        staging.append_journal(self.config.paths, {"shard": index, "rows": shard.rows, "files": shard.entries})
 
     def finish(self) -> Finished:
         if self.shard is not None and self.shard.rows:
@@ -237,7 +241,7 @@ def run_collator(config: CollatorConfig, inbox: SimpleQueue[Any], events: Queue[
                 collator.add(output)
         events.put(collator.finish())
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails the build
-        events.put(Crashed(f"the collator failed writing {config.dataset}: {describe_error(exc)}"))
+        events.put(Crashed(f"the collator failed writing {config.paths.url}: {describe_error(exc)}"))
         events.close()
         events.join_thread()
         sys.exit(1)

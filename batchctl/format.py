@@ -12,7 +12,6 @@ import json
 import math
 import mmap
 import os
-import shutil
 import threading
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -26,6 +25,7 @@ import zarr
 import zarr.codecs as zc
 from zarr.core.array_spec import ArrayConfigParams
 
+from batchctl import storage
 from batchctl.errors import FormatError, IncompleteDatasetError
 
 FORMAT_VERSION = 1
@@ -192,28 +192,29 @@ def write_shard(
         arr[start : start + rows] = data
 
 
-def truncate(arrays: Mapping[str, zarr.Array], layout: Layout, root: Path, num_shards: int) -> None:
-    """Drop everything past the first `num_shards` whole shards (shard files included), for resume."""
+def truncate(arrays: Mapping[str, zarr.Array], layout: Layout, fs: Any, root: str, num_shards: int) -> None:
+    """Drop everything past the first `num_shards` whole shards (shard files included), for resume.
+
+    `fs` is the fsspec filesystem holding the dataset at `root` (local or an object store)."""
     rows = num_shards * layout.shard_rows
     for name, arr in arrays.items():
         arr.resize((rows, *arr.shape[1:]))
-        shard_dir = root / name / "c"
-        if shard_dir.is_dir():
-            for entry in shard_dir.iterdir():
-                if entry.name.isdigit() and int(entry.name) >= num_shards:
-                    shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+        shard_dir = f"{root}/{name}/c"
+        if fs.isdir(shard_dir):
+            names = [(p, p.rsplit("/", 1)[-1]) for p in fs.ls(shard_dir, detail=False)]
+            stale = [p for p, n in names if n.isdigit() and int(n) >= num_shards]
+            if stale:
+                fs.rm(stale, recursive=True)
 
 
-def shard_files(root: Path, array_names: list[str], shard_index: int) -> list[Path]:
-    """The files that hold shard `shard_index` of each array (for fsync before journaling)."""
-    found = []
-    for name in array_names:
-        first = root / name / "c" / str(shard_index)
-        if first.is_file():
-            found.append(first)
-        elif first.is_dir():
-            found.extend(p for p in first.rglob("*") if p.is_file())
-    return found
+def shard_keys(arrays: Mapping[str, zarr.Array], shard_index: int) -> list[str]:
+    """The keys, relative to the dataset root, of the objects holding shard `shard_index` of each
+    array (for fsync before journaling, and for verify)."""
+    return [f"{arr.path}/{_shard_key(arr, shard_index)}" for arr in arrays.values()]
+
+
+def _shard_key(arr: zarr.Array, shard_index: int) -> str:
+    return str(arr.metadata.encode_chunk_key((shard_index,) + (0,) * (arr.ndim - 1)))
 
 
 def fsync_paths(paths: list[Path]) -> None:
@@ -245,10 +246,14 @@ def read_attrs(group: zarr.Group) -> DatasetAttrs:
     return DatasetAttrs.from_json(raw)
 
 
-def open_group(path: str | os.PathLike[str], allow_partial: bool = False) -> tuple[zarr.Group, DatasetAttrs]:
-    """Open a dataset for reading; refuse one that is not marked complete unless asked to."""
+def open_group(
+    path: str | os.PathLike[str], allow_partial: bool = False, storage_options: Mapping[str, Any] | None = None
+) -> tuple[zarr.Group, DatasetAttrs]:
+    """Open a dataset (a local path or a URL) for reading; refuse one that is not marked
+    complete unless asked to."""
+    location = os.fspath(path)
     try:
-        group = zarr.open_group(str(path), mode="r")
+        group = zarr.open_group(location, mode="r", **storage.zarr_options(location, storage_options))
     except (FileNotFoundError, zarr.errors.GroupNotFoundError) as exc:
         raise FormatError(f"{path}: no batchctl dataset here ({exc.__class__.__name__}).") from exc
     attrs = read_attrs(group)

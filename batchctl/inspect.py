@@ -3,24 +3,24 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from batchctl import format as fmt
+from batchctl import storage
 from batchctl.reader import Dataset
 
 
-def info(path: str | os.PathLike[str]) -> dict[str, Any]:
+def info(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Counts, fields and their layout, compression ratio, bytes on disk, class histogram, build options."""
-    ds = Dataset(path, allow_partial=True)
+    ds = Dataset(path, allow_partial=True, storage_options=storage_options)
     attrs = ds.attrs
     fields = {}
     for name, arr in ds.arrays.items():
-        stored = sum(p.stat().st_size for p in (Path(path) / name).rglob("*") if p.is_file())
+        stored = storage.tree_bytes(f"{ds.path}/{name}", ds.storage_options)
         raw = arr.nbytes if arr.dtype.kind != "T" else None
         fields[name] = {
             "shape": list(arr.shape[1:]),
@@ -38,7 +38,7 @@ def info(path: str | os.PathLike[str]) -> dict[str, Any]:
         counts = np.bincount(np.asarray(ds.arrays[fmt.LABEL][: ds.num_samples]), minlength=len(ds.classes))
         histogram = {name: int(n) for name, n in zip(ds.classes, counts, strict=False)}
     return {
-        "path": str(path),
+        "path": ds.path,
         "complete": attrs.complete,
         "num_samples": ds.num_samples,
         "num_batches": ds.num_batches,
@@ -48,7 +48,7 @@ def info(path: str | os.PathLike[str]) -> dict[str, Any]:
         "fields": fields,
         "classes": ds.classes,
         "class_counts": histogram,
-        "bytes": sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file()),
+        "bytes": storage.tree_bytes(ds.path, ds.storage_options),
         "compression": attrs.compression,
         "preprocess": attrs.preprocess,
         "errors": attrs.errors,
@@ -69,13 +69,18 @@ class Problem:
         return f"{self.where}: {self.what}"
 
 
-def verify(path: str | os.PathLike[str], on_batch: Callable[[], None] | None = None) -> list[Problem]:
+def verify(
+    path: str | os.PathLike[str],
+    on_batch: Callable[[], None] | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> list[Problem]:
     """Read every chunk of every array, checking checksums, shapes, counts and unique sources.
 
     Returns the problems found (empty when the dataset is sound). A missing shard file would read
     back as fill values, so shard files are counted too.
     """
-    ds = Dataset(path, allow_partial=True)
+    ds = Dataset(path, allow_partial=True, storage_options=storage_options)
+    present = _stored_keys(ds)
     problems: list[Problem] = []
     if not ds.attrs.complete:
         problems.append(Problem(str(path), "not marked complete (its build did not finish)"))
@@ -86,9 +91,8 @@ def verify(path: str | os.PathLike[str], on_batch: Callable[[], None] | None = N
             problems.append(Problem(name, f"has {arr.shape[0]} rows, the metadata says {ds.num_samples}"))
         if arr.chunks[0] != ds.batch_size or (arr.shards and arr.shards[0] != shard_rows):
             problems.append(Problem(name, f"chunks {arr.chunks} / shards {arr.shards} break the batch layout"))
-        present = {p.name for p in (Path(path) / name / "c").iterdir()} if (Path(path) / name / "c").is_dir() else set()
         for shard in range(num_shards):
-            if str(shard) not in present:
+            if fmt.shard_keys({name: arr}, shard)[0] not in present:
                 problems.append(Problem(f"{name} shard {shard}", "shard file is missing"))
     spec = {name: fmt.FieldSpec(tuple(s), d) for name, s, d in _field_specs(ds)}
     seen: set[tuple[str, int]] = set()
@@ -113,6 +117,15 @@ def verify(path: str | os.PathLike[str], on_batch: Callable[[], None] | None = N
         if on_batch is not None:
             on_batch()
     return problems
+
+
+def _stored_keys(ds: Dataset) -> set[str]:
+    """Keys (relative to the dataset root) of every object stored, local or remote."""
+    if storage.is_url(ds.path):
+        fs, root = storage.filesystem(ds.path, ds.storage_options), storage.fs_path(ds.path)
+    else:
+        fs, root = storage.local_filesystem(), ds.path
+    return {name[len(root.rstrip("/")) + 1 :] for name in fs.find(root)}
 
 
 def _field_specs(ds: Dataset) -> list[tuple[str, list[int], str]]:

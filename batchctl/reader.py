@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from batchctl import format as fmt
+from batchctl import storage
 from batchctl.errors import BatchctlError
 
 Batch = dict[str, np.ndarray]
@@ -25,15 +26,26 @@ Batch = dict[str, np.ndarray]
 class Dataset:
     """A batchctl dataset opened for reading."""
 
-    def __init__(self, path: str | os.PathLike[str], allow_partial: bool = False) -> None:
-        self.path = os.fspath(path)
-        self.group, self.attrs = fmt.open_group(path, allow_partial=allow_partial)
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        allow_partial: bool = False,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.path = storage.normalise(path)
+        self.storage_options = dict(storage_options or {})
+        self.group, self.attrs = fmt.open_group(self.path, allow_partial, self.storage_options)
         self.arrays = fmt.open_arrays(self.group)
         self.batch_size = self.attrs.batch_size
         self.num_samples = self.attrs.num_samples if self.attrs.complete else self._rows_present()
         self.num_batches = fmt.num_batches(self.num_samples, self.batch_size)
         self.classes: list[str] | None = self.attrs.classes
-        self._fast = {name: fmt.ChunkReader.for_array(Path(self.path), arr) for name, arr in self.arrays.items()}
+        # shard files are mapped straight from a local disk; a URL is read through zarr
+        local = not storage.is_url(self.path)
+        self._fast = {
+            name: fmt.ChunkReader.for_array(Path(self.path), arr) if local else None
+            for name, arr in self.arrays.items()
+        }
 
     def _rows_present(self) -> int:
         return min((arr.shape[0] for arr in self.arrays.values()), default=0)
@@ -117,6 +129,9 @@ class Dataset:
         return f"Dataset({self.path!r}, samples={self.num_samples}, batches={self.num_batches})"
 
 
-def open(path: str | os.PathLike[str], allow_partial: bool = False) -> Dataset:  # noqa: A001 - the public name
-    """Open a complete dataset; `allow_partial=True` also opens one whose build did not finish."""
-    return Dataset(path, allow_partial=allow_partial)
+def open(  # noqa: A001 - the public name
+    path: str | os.PathLike[str], allow_partial: bool = False, storage_options: Mapping[str, Any] | None = None
+) -> Dataset:
+    """Open a complete dataset, a local path or a URL (s3://...); `allow_partial=True` also opens
+    one whose build did not finish. `storage_options` go to the URL's fsspec filesystem."""
+    return Dataset(path, allow_partial=allow_partial, storage_options=storage_options)

@@ -13,16 +13,18 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import shutil
 import signal
 import threading
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from batchctl import storage
 from batchctl.errors import LockedError, UsageError
 
 RENAME_EXCHANGE = 2
@@ -30,31 +32,77 @@ RENAME_EXCHANGE = 2
 
 @dataclass(frozen=True)
 class BuildPaths:
-    output: Path
+    """Where one build of OUTPUT keeps its work. For a URL OUTPUT there is no rename: the
+    dataset is written in place, its `complete` flag last, and the journal is one object per
+    shard beside it; the lock and the semaphore list stay on this machine."""
+
+    url: str  # OUTPUT: an absolute local path or a URL
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def remote(self) -> bool:
+        return storage.is_url(self.url)
+
+    @property
+    def output(self) -> Path:
+        return Path(self.url)
+
+    @property
+    def fs(self) -> Any:
+        return storage.filesystem(self.url, self.storage_options) if self.remote else None
+
+    @property
+    def workdir_url(self) -> str:
+        parent, name = storage.parent_and_name(self.url) if self.remote else (str(self.output.parent), self.output.name)
+        return f"{parent}/.{name}.batchctl"
 
     @property
     def workdir(self) -> Path:
-        return self.output.parent / f".{self.output.name}.batchctl"
+        return Path(self.workdir_url)
+
+    @property
+    def staging_url(self) -> str:
+        return self.url if self.remote else str(self.workdir / "staging.zarr")
 
     @property
     def staging(self) -> Path:
-        return self.workdir / "staging.zarr"
+        return Path(self.staging_url)
+
+    @property
+    def journal_url(self) -> str:
+        return f"{self.workdir_url}/journal" if self.remote else str(self.workdir / "journal.jsonl")
 
     @property
     def journal(self) -> Path:
-        return self.workdir / "journal.jsonl"
+        return Path(self.journal_url)
 
     @property
     def state(self) -> Path:
         return self.workdir / "state.json"
 
     @property
+    def local_dir(self) -> Path:
+        """The lock and the semaphore list: beside OUTPUT, or in the user's cache for a URL."""
+        if not self.remote:
+            return self.output.parent
+        cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "batchctl"
+        cache.mkdir(parents=True, exist_ok=True)
+        return cache / hashlib.sha256(self.url.encode()).hexdigest()[:16]
+
+    @property
     def semaphores(self) -> Path:
+        if self.remote:
+            return self.local_dir.with_suffix(".semaphores")
         return self.workdir / "semaphores.txt"
 
     @property
     def lock(self) -> Path:
+        if self.remote:
+            return self.local_dir.with_suffix(".lock")
         return self.output.parent / f".{self.output.name}.batchctl.lock"
+
+    def zarr_kwargs(self) -> dict[str, Any]:
+        return storage.zarr_options(self.url, self.storage_options)
 
 
 class BuildLock:
@@ -97,8 +145,14 @@ class BuildLock:
         self.release()
 
 
-def check_replaceable(output: Path) -> None:
+def check_replaceable(paths: BuildPaths) -> None:
     """Refuse to replace anything at OUTPUT but an empty folder or a batchctl dataset."""
+    if paths.remote:
+        fs, where = paths.fs, storage.fs_path(paths.url)
+        if fs.exists(where) and fs.ls(where) and not fs.exists(f"{where}/zarr.json"):
+            raise UsageError(f"OUTPUT {paths.url} exists and is not a batchctl dataset; refusing to replace it.")
+        return
+    output = paths.output
     if not output.exists():
         return
     if output.is_dir() and (not any(output.iterdir()) or (output / "zarr.json").is_file()):
@@ -107,6 +161,9 @@ def check_replaceable(output: Path) -> None:
 
 
 def write_state(paths: BuildPaths, state: dict[str, Any]) -> None:
+    if paths.remote:  # one PUT: an object appears whole or not at all
+        paths.fs.pipe_file(storage.fs_path(f"{paths.workdir_url}/state.json"), json.dumps(state).encode())
+        return
     tmp = paths.state.with_suffix(".tmp")
     tmp.write_text(json.dumps(state, indent=2, sort_keys=True), encoding="utf-8")
     os.replace(tmp, paths.state)
@@ -114,7 +171,10 @@ def write_state(paths: BuildPaths, state: dict[str, Any]) -> None:
 
 def read_state(paths: BuildPaths) -> dict[str, Any] | None:
     try:
-        state = json.loads(paths.state.read_text(encoding="utf-8"))
+        if paths.remote:
+            state = json.loads(paths.fs.cat_file(storage.fs_path(f"{paths.workdir_url}/state.json")))
+        else:
+            state = json.loads(paths.state.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     return state if isinstance(state, dict) else None
@@ -124,7 +184,7 @@ def read_journal(paths: BuildPaths) -> list[dict[str, Any]]:
     """The journaled shards 0..K-1, in order; a torn or out-of-order tail is dropped."""
     shards: list[dict[str, Any]] = []
     try:
-        lines = paths.journal.read_text(encoding="utf-8").splitlines()
+        lines = _remote_journal(paths) if paths.remote else paths.journal.read_text(encoding="utf-8").splitlines()
     except OSError:
         return shards
     for line in lines:
@@ -138,7 +198,36 @@ def read_journal(paths: BuildPaths) -> list[dict[str, Any]]:
     return shards
 
 
+def _remote_journal(paths: BuildPaths) -> list[str]:
+    fs, where = paths.fs, storage.fs_path(paths.journal_url)
+    names = sorted(fs.ls(where, detail=False)) if fs.exists(where) else []
+    return [fs.cat_file(name).decode() for name in names]
+
+
+def journal_key(paths: BuildPaths, shard: int) -> str:
+    """The object journaling shard `shard` of a URL OUTPUT (object stores cannot append)."""
+    return storage.fs_path(f"{paths.journal_url}/{shard:08d}.json")
+
+
+def append_journal(paths: BuildPaths, entry: dict[str, Any]) -> None:
+    line = json.dumps(entry)
+    if paths.remote:
+        paths.fs.pipe_file(journal_key(paths, entry["shard"]), line.encode())
+        return
+    with open(paths.journal, "a", encoding="utf-8") as journal:
+        journal.write(line + "\n")
+        journal.flush()
+        os.fsync(journal.fileno())
+
+
 def rewrite_journal(paths: BuildPaths, shards: list[dict[str, Any]]) -> None:
+    if paths.remote:
+        fs, where = paths.fs, storage.fs_path(paths.journal_url)
+        keep = {journal_key(paths, i) for i in range(len(shards))}
+        stale = [name for name in (fs.ls(where, detail=False) if fs.exists(where) else []) if name not in keep]
+        if stale:
+            fs.rm(stale)
+        return
     with open(paths.journal, "w", encoding="utf-8") as journal:
         journal.writelines(json.dumps(entry) + "\n" for entry in shards)
         journal.flush()
@@ -169,7 +258,18 @@ def sweep_semaphores(paths: BuildPaths) -> None:
 
 
 def discard(paths: BuildPaths) -> None:
+    if paths.remote:
+        fs, where = paths.fs, storage.fs_path(paths.workdir_url)
+        if fs.exists(where):
+            fs.rm(where, recursive=True)
+        return
     shutil.rmtree(paths.workdir, ignore_errors=True)
+
+
+def start_workdir(paths: BuildPaths) -> None:
+    discard(paths)
+    if not paths.remote:
+        paths.workdir.mkdir()
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -194,7 +294,11 @@ def move_into_place(paths: BuildPaths) -> None:
     SIGINT/SIGTERM wait until the dataset is in place and the work folder can no longer be taken
     for an interrupted build (its state file is gone): stopping half-way through these few
     renames would leave both in doubt. Deleting the old dataset may be interrupted freely.
+    A URL OUTPUT was written in place and is complete already: only its work objects go.
     """
+    if paths.remote:
+        discard(paths)
+        return
     with signals_ignored():
         if not paths.output.exists():
             os.rename(paths.staging, paths.output)

@@ -1,0 +1,114 @@
+"""Where datasets live: a local folder, or a URL of an fsspec filesystem (s3://, gs://, az://...).
+
+Local paths keep their own fast paths (fsync, rename, mmap); a URL goes through fsspec, whose
+packages (s3fs, gcsfs, adlfs) are optional extras. Credentials and endpoints come from the
+packages' usual environment (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ...) or `storage_options`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from batchctl.errors import UsageError
+
+
+def is_url(location: str | os.PathLike[str]) -> bool:
+    text = os.fspath(location)
+    return "://" in text and not text.startswith("file://")
+
+
+def normalise(location: str | os.PathLike[str]) -> str:
+    """A URL without a trailing slash, or an absolute local path."""
+    text = os.fspath(location)
+    return text.rstrip("/") if is_url(text) else os.path.abspath(text)
+
+
+def filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> Any:
+    """The fsspec filesystem of `url` (one instance per URL scheme and options)."""
+    return _filesystem(url.split("://", 1)[0], json.dumps(dict(storage_options or {}), sort_keys=True))
+
+
+@functools.cache
+def _filesystem(protocol: str, options: str) -> Any:
+    import fsspec
+
+    try:
+        return fsspec.filesystem(protocol, **json.loads(options))
+    except ImportError as exc:
+        extra = {"s3": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure"}.get(protocol, protocol)
+        raise UsageError(
+            f"{protocol}:// needs an fsspec package that is not installed ({exc}); "
+            f"install it with: pip install 'batchctl[{extra}]'"
+        ) from None
+    except ValueError as exc:
+        raise UsageError(f"{protocol}:// is not a filesystem fsspec knows: {exc}") from None
+
+
+def local_filesystem() -> Any:
+    import fsspec
+
+    return fsspec.filesystem("file")
+
+
+def fs_path(url: str) -> str:
+    """The path inside its filesystem: the URL without its scheme."""
+    return url.split("://", 1)[1]
+
+
+def parent_and_name(url: str) -> tuple[str, str]:
+    parent, _, name = url.rpartition("/")
+    return parent, name
+
+
+def zarr_options(location: str, storage_options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Keyword arguments for zarr.open_group: storage options only for URLs (zarr refuses them
+    for local paths)."""
+    return {"storage_options": dict(storage_options or {})} if is_url(location) else {}
+
+
+def tree_bytes(location: str, storage_options: Mapping[str, Any] | None = None) -> int:
+    """Bytes stored under a dataset, local or remote."""
+    if is_url(location):
+        fs = filesystem(location, storage_options)
+        return int(sum(info["size"] for info in fs.find(fs_path(location), detail=True).values()))
+    return sum(entry.stat().st_size for entry in _walk(location))
+
+
+def _walk(root: str) -> list[os.DirEntry[str]]:
+    found: list[os.DirEntry[str]] = []
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return found
+    for entry in entries:
+        if entry.is_dir(follow_symlinks=False):
+            found.extend(_walk(entry.path))
+        elif entry.is_file(follow_symlinks=False):
+            found.append(entry)
+    return found
+
+
+def parse_storage_options(pairs: list[str]) -> dict[str, Any]:
+    """`key=value` pairs; values parsed as JSON where they are (numbers, true/false, objects)."""
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise UsageError(f"Expected --storage-option KEY=VALUE, got {pair!r} instead.")
+        try:
+            options[key] = json.loads(value)
+        except ValueError:
+            options[key] = value
+    # a nested option may be given dotted: client_kwargs.endpoint_url=...
+    nested: dict[str, Any] = {}
+    for key, value in options.items():
+        target = nested
+        *parents, last = key.split(".")
+        for part in parents:
+            target = target.setdefault(part, {})
+        target[last] = value
+    return nested

@@ -1,0 +1,165 @@
+"""Datasets on an S3 API: a real moto server on loopback, driven through s3fs and the real CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import batchctl
+from batchctl.inspect import verify
+
+from .conftest import PLUGINS, kill_group, run_cli, start_cli, wait_for, wait_group_gone
+
+s3fs = pytest.importorskip("s3fs")
+pytest.importorskip("moto")
+
+SLOW = ["--preprocess", f"{PLUGINS}:slow_image", "--batch-size", "4", "--shard-batches", "1", "--workers", "2"]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A moto S3 server in its own process on a free loopback port; credentials in the environment."""
+    port = _free_port()
+    log = tmp_path_factory.mktemp("moto") / "server.log"
+    with open(log, "w") as out:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=out, stderr=out
+        )
+    endpoint = f"http://127.0.0.1:{port}"
+    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
+    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise RuntimeError(f"moto server did not start: {log.read_text()}") from None
+                time.sleep(0.1)
+        yield endpoint
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@pytest.fixture
+def bucket(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> str:
+    """A fresh bucket; AWS_ENDPOINT_URL points at the server for the CLI and for this process."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # where URL builds keep their lock
+    name = f"b{uuid.uuid4().hex[:12]}"
+    s3fs.S3FileSystem(endpoint_url=s3_endpoint).mkdir(name)
+    return name
+
+
+def _fs(endpoint: str) -> s3fs.S3FileSystem:
+    return s3fs.S3FileSystem(endpoint_url=endpoint, skip_instance_cache=True)
+
+
+def _rows_by_source(ds: batchctl.Dataset) -> dict[tuple[str, int], np.ndarray]:
+    rows = {}
+    for batch in ds:
+        for source, index, image in zip(batch["source"], batch["source_index"], batch["image"], strict=True):
+            rows[(str(source), int(index))] = image
+    return rows
+
+
+def test_build_to_s3_reads_back_exactly_once_and_is_up_to_date(
+    image_folder: Path, bucket: str, s3_endpoint: str, tmp_path: Path
+) -> None:
+    url, local = f"s3://{bucket}/imgs.zarr", tmp_path / "local.zarr"
+    report = tmp_path / "r.json"
+    result = run_cli("build", image_folder, "-o", url, "--batch-size", "8", "--workers", "2", "--report", report)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(report.read_text())["status"] == "complete"
+    assert run_cli("build", image_folder, "-o", local, "--batch-size", "8", "--workers", "2").returncode == 0
+
+    remote_rows, local_rows = _rows_by_source(batchctl.open(url)), _rows_by_source(batchctl.open(local))
+    assert len(remote_rows) == 60 and remote_rows.keys() == local_rows.keys()
+    for key, image in remote_rows.items():
+        np.testing.assert_array_equal(image, local_rows[key])
+    assert verify(url) == []
+    assert not _fs(s3_endpoint).exists(f"{bucket}/.imgs.zarr.batchctl")  # no work objects left behind
+
+    data = json.loads(run_cli("info", url, "--json").stdout)
+    assert data["complete"] and data["num_samples"] == 60 and data["bytes"] > 0
+    assert run_cli("verify", url).returncode == 0
+
+    again = run_cli("build", image_folder, "-o", url, "--batch-size", "8", "--workers", "2")
+    assert again.returncode == 0 and "up to date" in again.stderr
+
+
+def test_interrupted_s3_build_is_not_readable_and_resumes(image_folder: Path, bucket: str, s3_endpoint: str) -> None:
+    url = f"s3://{bucket}/slow.zarr"
+    fs = _fs(s3_endpoint)
+
+    def journaled() -> int:
+        fs.invalidate_cache()
+        where = f"{bucket}/.slow.zarr.batchctl/journal"
+        return len(fs.ls(where)) if fs.exists(where) else 0
+
+    proc = start_cli("build", image_folder, "-o", url, *SLOW)
+    wait_for(lambda: journaled() >= 2)
+    kill_group(proc, signal.SIGINT)
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    assert wait_group_gone(proc.pid) == []
+    with pytest.raises(batchctl.IncompleteDatasetError):
+        batchctl.open(url)
+    assert run_cli("verify", url).returncode == 1  # not marked complete
+
+    result = run_cli("build", image_folder, "-o", url, *SLOW)
+    assert result.returncode == 0, result.stderr
+    assert "resuming" in result.stderr
+    ds = batchctl.open(url)
+    sources = sorted(str(s) for b in ds for s in b["source"])
+    assert sources == sorted(p.relative_to(image_folder).as_posix() for p in image_folder.rglob("*.*"))
+    assert verify(url) == []
+
+
+def test_endpoint_given_as_storage_option(
+    image_folder: Path, bucket: str, s3_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    url, option = f"s3://{bucket}/opt.zarr", f"endpoint_url={s3_endpoint}"
+    result = run_cli("build", image_folder, "-o", url, "--workers", "1", "--storage-option", option)
+    assert result.returncode == 0, result.stderr
+    ds = batchctl.open(url, storage_options={"endpoint_url": s3_endpoint})
+    assert ds.num_samples == 60
+    assert json.loads(run_cli("info", url, "--json", "--storage-option", option).stdout)["num_samples"] == 60
+
+
+def test_refuses_a_prefix_that_is_not_a_dataset_and_a_missing_bucket(
+    image_folder: Path, bucket: str, s3_endpoint: str
+) -> None:
+    _fs(s3_endpoint).pipe_file(f"{bucket}/precious/notes.txt", b"keep me")
+    result = run_cli("build", image_folder, "-o", f"s3://{bucket}/precious")
+    assert result.returncode == 2 and "refusing to replace" in result.stderr
+    assert _fs(s3_endpoint).cat_file(f"{bucket}/precious/notes.txt") == b"keep me"
+    missing = run_cli("build", image_folder, "-o", "s3://no-such-bucket-here/x.zarr")
+    assert missing.returncode == 2 and "no bucket" in missing.stderr and "Traceback" not in missing.stderr
