@@ -24,6 +24,7 @@ from batchctl.preprocess import Preprocessor, resolve
 from batchctl.progress import Progress
 from batchctl.report import BuildReport, FileError
 from batchctl.staging import BuildLock, BuildPaths
+from batchctl.storage import SourceRoot
 from batchctl.workers import Task, TaskResult, describe_error
 
 PART_BYTES = 16 * 2**20  # big files are split into parts of about this much input
@@ -50,6 +51,8 @@ class BuildOptions:
     timeout: float | None = None
     include: tuple[str, ...] = ()
     storage_options: Mapping[str, Any] = field(default_factory=dict)  # for a URL OUTPUT (fsspec)
+    engine: str = "local"  # or "dask": a dask.distributed cluster preprocesses and writes shards
+    scheduler: str | None = None  # the Dask scheduler's address; None starts a local cluster
 
     def __post_init__(self) -> None:
         if self.timeout is not None and not self.timeout > 0:
@@ -60,6 +63,10 @@ class BuildOptions:
             _positive("shard_batches", self.shard_batches)
         if self.max_errors is not None and self.max_errors < 0:
             raise UsageError(f"Expected max_errors >= 0, got {self.max_errors} instead.")
+        if self.engine not in ("local", "dask"):
+            raise UsageError(f"Expected engine local or dask, got {self.engine!r} instead.")
+        if self.scheduler and self.engine != "dask":
+            raise UsageError("--scheduler needs --engine dask.")
         try:
             fmt.parse_compression(self.compression)
         except FormatError as exc:
@@ -92,12 +99,12 @@ def build(
     `BuildInterrupted`, both carrying the report, when it ends otherwise.
     """
     opts = BuildOptions(**options)
-    builder = _Builder(Path(source).absolute(), storage.normalise(output), opts, progress or Progress())
+    builder = _Builder(storage.normalise(source), storage.normalise(output), opts, progress or Progress())
     return builder.run()
 
 
 class _Builder:
-    def __init__(self, source: Path, output: str, options: BuildOptions, progress: Progress) -> None:
+    def __init__(self, source: str, output: str, options: BuildOptions, progress: Progress) -> None:
         self.source, self.output, self.options, self.progress = source, output, options, progress
         self.preprocessor = dataclasses.replace(resolve(options.preprocess), include=tuple(options.include))
         self.pp_options = self.preprocessor.options(options.preprocess_options)
@@ -130,7 +137,7 @@ class _Builder:
 
     def _run_locked(self) -> BuildReport:
         staging.sweep_semaphores(self.paths)  # left by a build killed with its whole process group
-        discovery = discover(self.source, self.preprocessor.accepts, self.options.seed)
+        discovery = discover(self.source, self.preprocessor.accepts, self.options.seed, self.options.storage_options)
         self.report.ignored = discovery.ignored
         fingerprint = discovery.fingerprint([self.spec, discovery.classes])
         if not self.options.force and self._up_to_date(fingerprint):
@@ -141,6 +148,8 @@ class _Builder:
                 f"preprocessor ({', '.join(self.preprocessor.include or self.preprocessor.extensions or ('any',))})",
                 self.report,
             )
+        if self.options.engine == "dask":
+            return self._run_dask(discovery, fingerprint)
         tasks = self._plan(discovery)
         for relpath, reason in discovery.unreadable:
             self._error(relpath, reason)
@@ -149,7 +158,7 @@ class _Builder:
         config = PipelineConfig(
             self.preprocessor,
             self.pp_options,
-            self.source,
+            SourceRoot(self.source, self.options.storage_options),
             self.options.workers,
             self.options.timeout,
             paths=self.paths,
@@ -170,6 +179,27 @@ class _Builder:
         self.report.samples = finished.samples
         self.report.batches = fmt.num_batches(finished.samples, self.options.batch_size)
         self.report.shards = finished.shards
+        self.report.bytes = storage.tree_bytes(self.output, self.options.storage_options)
+        return self._end("complete")
+
+    def _run_dask(self, discovery: Discovery, fingerprint: str) -> BuildReport:
+        from batchctl.dask_engine import DaskRun
+
+        for relpath, reason in discovery.unreadable:
+            self._error(relpath, reason)
+        staging.start_workdir(self.paths)  # a Dask build starts afresh (no journal to resume from)
+        group = zarr.open_group(self.paths.staging_url, mode="w", **self.paths.zarr_kwargs())
+        fmt.write_attrs(group, self._attrs(discovery))
+        tasks = self._tasks(discovery, {})
+        self.progress.start(len(tasks), 0, any(task.part for task in tasks))
+        run = DaskRun(self, group, discovery.classes is not None)
+        finished = run.run(tasks)
+        self.progress.close()
+        self._publish(discovery, fingerprint, finished)
+        self.report.samples = finished.samples
+        self.report.batches = fmt.num_batches(finished.samples, self.options.batch_size)
+        self.report.shards = finished.shards
+        self.report.workers_seen = sorted(run.workers_seen)
         self.report.bytes = storage.tree_bytes(self.output, self.options.storage_options)
         return self._end("complete")
 
@@ -251,10 +281,10 @@ class _Builder:
 
     def _parts(self, item: WorkItem) -> list[tuple[int, int] | None]:
         """Sample ranges of about PART_BYTES of input each, for files the preprocessor can count."""
-        if self.preprocessor.count is None or item.size <= PART_BYTES:
+        if self.preprocessor.count is None or item.size <= PART_BYTES or storage.is_url(self.source):
             return [None]
         try:
-            total = self.preprocessor.count(self.source / item.relpath, **self.pp_options)
+            total = self.preprocessor.count(Path(self.source) / item.relpath, **self.pp_options)
         except Exception:  # noqa: BLE001 - the worker will meet the same problem and report it
             return [None]
         if not total or total < 2:

@@ -70,7 +70,13 @@ STORAGE_OPTION = typer.Option(
 
 @app.command(epilog=EXIT_CODES)
 def build(
-    source: Annotated[Path, typer.Argument(help="Folder of input files, walked recursively (hidden files ignored).")],
+    source: Annotated[
+        str,
+        typer.Argument(
+            metavar="SOURCE",
+            help="Folder (or URL, s3://bucket/raw/) of input files, walked recursively (hidden ignored).",
+        ),
+    ],
     output: Annotated[
         str, typer.Option("-o", "--output", help="Where to write the Zarr v3 dataset: a path or a URL (s3://...).")
     ],
@@ -110,6 +116,13 @@ def build(
     ] = None,
     report: Annotated[Optional[Path], typer.Option(help="Write a JSON report of the build here.")] = None,
     storage_option: Annotated[Optional[list[str]], STORAGE_OPTION] = None,
+    engine: Annotated[
+        str, typer.Option(help="local (a process pool on this machine) or dask (a dask.distributed cluster).")
+    ] = "local",
+    scheduler: Annotated[
+        Optional[str],
+        typer.Option(help="--engine dask: the scheduler's address, tcp://HOST:PORT (default: a local cluster)."),
+    ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only errors.")] = False,
 ) -> None:
     """Preprocess every file under SOURCE into batches and write them to OUTPUT (a folder, or a URL
@@ -126,6 +139,8 @@ def build(
         "force": force,
         "timeout": timeout,
         "include": tuple(include or ()),
+        "engine": engine,
+        "scheduler": scheduler,
     }
     if workers is not None:
         options["workers"] = workers

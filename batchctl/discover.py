@@ -5,10 +5,12 @@ from __future__ import annotations
 import hashlib
 import os
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from batchctl import storage
 from batchctl.errors import UsageError
 
 
@@ -79,18 +81,26 @@ def walk_files(root: Path) -> Iterable[tuple[str, os.stat_result | OSError]]:
     yield from visit(root, "")
 
 
-def discover(source: Path, accepts: Callable[[str], bool], seed: int | None = None) -> Discovery:
+def discover(
+    source: str,
+    accepts: Callable[[str], bool],
+    seed: int | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> Discovery:
     """Files `accepts` takes become work items; the rest are counted as ignored.
 
     With class sub-folders the first path component names the class (sorted, numbered from 0)
     and files lying directly in SOURCE, having no class, are ignored; a flat folder has no labels.
+    SOURCE may be a URL (s3://bucket/raw/): its objects are listed through fsspec.
     """
-    if not source.is_dir():
+    if storage.is_url(source):
+        return _discover_url(source, accepts, seed, storage_options)
+    if not Path(source).is_dir():
         raise UsageError(f"SOURCE {source} is not a folder.")
     found: list[tuple[str, int, int]] = []
     ignored = 0
     unreadable: list[tuple[str, str]] = []
-    for rel, stat in walk_files(source):
+    for rel, stat in walk_files(Path(source)):
         if isinstance(stat, FolderError):
             unreadable.append((rel, stat.strerror or str(stat)))
         elif not accepts(rel):
@@ -99,6 +109,37 @@ def discover(source: Path, accepts: Callable[[str], bool], seed: int | None = No
             unreadable.append((rel, stat.strerror or str(stat)))
         else:
             found.append((rel, stat.st_size, stat.st_mtime_ns))
+    return _labelled(found, ignored, unreadable, seed)
+
+
+def _discover_url(
+    source: str, accepts: Callable[[str], bool], seed: int | None, storage_options: Mapping[str, Any] | None
+) -> Discovery:
+    """The objects under a URL; an object's stamp is its size and LastModified time."""
+    fs, root = storage.filesystem(source, storage_options), storage.fs_path(source)
+    try:
+        listing = fs.find(root, detail=True)
+    except Exception as exc:  # noqa: BLE001 - the store's client raises many kinds
+        raise UsageError(f"SOURCE {source} cannot be listed: {exc}") from None
+    if not listing:
+        raise UsageError(f"SOURCE {source}: no objects there.")
+    found, ignored = [], 0
+    for name, entry in sorted(listing.items()):
+        rel = name[len(root) :].lstrip("/")
+        if any(part.startswith(".") for part in rel.split("/")):
+            continue
+        if not accepts(rel):
+            ignored += 1
+            continue
+        modified = entry.get("LastModified") or entry.get("mtime") or 0
+        stamp = int(modified.timestamp() * 1e9) if hasattr(modified, "timestamp") else int(float(modified) * 1e9)
+        found.append((rel, int(entry.get("size") or 0), stamp))
+    return _labelled(found, ignored, [], seed)
+
+
+def _labelled(
+    found: list[tuple[str, int, int]], ignored: int, unreadable: list[tuple[str, str]], seed: int | None
+) -> Discovery:
     nested = sorted({rel.split("/", 1)[0] for rel, _, _ in found if "/" in rel})
     classes = nested or None
     class_ids = {name: i for i, name in enumerate(nested)}

@@ -192,6 +192,19 @@ def write_shard(
         arr[start : start + rows] = data
 
 
+def write_shard_at(
+    arrays: Mapping[str, zarr.Array], layout: Layout, shard_index: int, columns: Mapping[str, np.ndarray]
+) -> None:
+    """Write shard `shard_index` whole into arrays already long enough to hold it: no metadata
+    write, so several processes may each write their own shards at once (the Dask engine)."""
+    start = shard_index * layout.shard_rows
+    for name, arr in arrays.items():
+        data = columns[name]
+        if start + len(data) > arr.shape[0]:
+            raise FormatError(f"shard {shard_index}: {name} ends at row {arr.shape[0]}, before {start + len(data)}")
+        arr[start : start + len(data)] = data
+
+
 def truncate(arrays: Mapping[str, zarr.Array], layout: Layout, fs: Any, root: str, num_shards: int) -> None:
     """Drop everything past the first `num_shards` whole shards (shard files included), for resume.
 

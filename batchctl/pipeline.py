@@ -20,13 +20,13 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from batchctl.collate import CollatorConfig, Crashed, End, Event, Finished, Rejected, ShardWritten, run_collator
 from batchctl.preprocess import Preprocessor
 from batchctl.progress import Progress
 from batchctl.staging import BuildPaths, record_semaphores, signals_ignored
+from batchctl.storage import SourceRoot
 from batchctl.workers import (
     BoundedFeed,
     Task,
@@ -78,7 +78,7 @@ def signals_raise() -> Iterator[None]:
 class PipelineConfig:
     preprocessor: Preprocessor
     options: Mapping[str, Any]
-    source: Path
+    source: SourceRoot
     workers: int
     timeout: float | None
     collator: CollatorConfig

@@ -32,6 +32,7 @@ class BuildReport:
     elapsed_s: float = 0.0
     samples_per_s: float = 0.0
     message: str = ""
+    workers_seen: list[str] = field(default_factory=list)  # --engine dask: host:pid of each worker used
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

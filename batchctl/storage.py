@@ -7,10 +7,14 @@ packages' usual environment (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ...) or `stora
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
-from collections.abc import Mapping
+import tempfile
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from batchctl.errors import UsageError
@@ -112,3 +116,23 @@ def parse_storage_options(pairs: list[str]) -> dict[str, Any]:
             target = target.setdefault(part, {})
         target[last] = value
     return nested
+
+
+@dataclass(frozen=True)
+class SourceRoot:
+    """SOURCE as workers see it: a folder, or a URL whose objects are fetched one at a time."""
+
+    root: str
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
+
+    @contextlib.contextmanager
+    def local_file(self, relpath: str) -> Iterator[Path]:
+        """A local path holding `relpath`: the file itself, or a temporary copy of the object
+        (preprocessors and plugins take paths), removed once the file is preprocessed."""
+        if not is_url(self.root):
+            yield Path(self.root) / relpath
+            return
+        fs = filesystem(self.root, self.storage_options)
+        with tempfile.NamedTemporaryFile(prefix="batchctl-", suffix=PurePosixPath(relpath).suffix) as copy:
+            fs.get_file(f"{fs_path(self.root)}/{relpath}", copy.name)
+            yield Path(copy.name)

@@ -27,6 +27,7 @@ import numpy as np
 
 from batchctl.discover import WorkItem
 from batchctl.preprocess import Preprocessor, resolve
+from batchctl.storage import SourceRoot
 
 
 @dataclass(frozen=True)
@@ -159,7 +160,7 @@ _worker: dict[str, Any] = {}
 
 
 def init_worker(
-    preprocess: str, options: Mapping[str, Any], source: Path, outbox: SimpleQueue[Any], slots: WorkerSlots
+    preprocess: str, options: Mapping[str, Any], source: SourceRoot, outbox: SimpleQueue[Any], slots: WorkerSlots
 ) -> None:
     init_child("batchctl-worker")
     _worker.update(slots=slots, slot=slots.claim(os.getpid()))
@@ -220,10 +221,17 @@ def _row_specs(output: TaskOutput) -> dict[str, tuple[tuple[int, ...], np.dtype[
 
 
 def _preprocess(task: Task) -> tuple[TaskResult, TaskOutput | None]:
-    preprocessor: Preprocessor = _worker["preprocessor"]
-    path = _worker["source"] / task.item.relpath
+    return preprocess_task(task, _worker["preprocessor"], _worker["options"], _worker["source"])
+
+
+def preprocess_task(
+    task: Task, preprocessor: Preprocessor, options: Mapping[str, Any], source: SourceRoot
+) -> tuple[TaskResult, TaskOutput | None]:
+    """One file (or part of one): its rows, or the one-line reason it is skipped."""
+    path: Path | str = task.item.relpath
     try:
-        columns = preprocessor.columns(path, _worker["options"], task.part)
+        with source.local_file(task.item.relpath) as path:
+            columns = preprocessor.columns(path, options, task.part)
     except Exception as exc:  # noqa: BLE001 - any failure of one file is that file's error
         reason = describe_error(exc).replace(f" '{path}'", "").replace(str(path), task.item.relpath)
         return TaskResult(task, 0, reason), None
@@ -301,7 +309,7 @@ def start_pool(
     workers: int,
     preprocess: str,
     options: Mapping[str, Any],
-    source: Path,
+    source: SourceRoot,
     outbox: SimpleQueue[Any],
     slots: WorkerSlots,
 ) -> Pool:

@@ -40,3 +40,8 @@ def shape_changes(path: Path) -> dict[str, np.ndarray]:
 def reserved_name(path: Path) -> dict[str, np.ndarray]:
     """Uses a field name batchctl keeps for itself."""
     return {"label": np.zeros(2, np.int64)}
+
+
+def image_and_pid(path: Path, crop: int = 32) -> dict[str, np.ndarray | int]:
+    """The image plus the pid of the process that preprocessed it (which Dask worker did the work)."""
+    return {**preprocess_image(path, resize=crop, crop=crop), "pid": os.getpid()}

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -163,3 +164,28 @@ def test_refuses_a_prefix_that_is_not_a_dataset_and_a_missing_bucket(
     assert _fs(s3_endpoint).cat_file(f"{bucket}/precious/notes.txt") == b"keep me"
     missing = run_cli("build", image_folder, "-o", "s3://no-such-bucket-here/x.zarr")
     assert missing.returncode == 2 and "no bucket" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def test_source_on_s3_builds_the_same_rows_as_the_local_folder(
+    image_folder: Path, bucket: str, s3_endpoint: str, tmp_path: Path
+) -> None:
+    fs = _fs(s3_endpoint)
+    fs.put(str(image_folder), f"{bucket}/raw", recursive=True)
+    fs.pipe_file(f"{bucket}/raw/cat/broken.jpg", b"not a jpeg")
+    remote, local = tmp_path / "from_s3.zarr", tmp_path / "from_disk.zarr"
+    report = tmp_path / "r.json"
+    result = run_cli("build", f"s3://{bucket}/raw/", "-o", remote, "--workers", "2", "--report", report)
+    assert result.returncode == 0, result.stderr
+    assert "cat/broken.jpg" in result.stderr
+    assert [e["source"] for e in json.loads(report.read_text())["errors"]] == ["cat/broken.jpg"]
+    assert run_cli("build", image_folder, "-o", local, "--workers", "2").returncode == 0
+    remote_ds, local_ds = batchctl.open(remote), batchctl.open(local)
+    assert remote_ds.classes == local_ds.classes
+    remote_rows, local_rows = _rows_by_source(remote_ds), _rows_by_source(local_ds)
+    assert remote_rows.keys() == local_rows.keys() and len(remote_rows) == 60
+    for key, image in remote_rows.items():
+        np.testing.assert_array_equal(image, local_rows[key])
+    assert not list(Path(tempfile.gettempdir()).glob("batchctl-*"))  # every fetched copy removed
+
+    again = run_cli("build", f"s3://{bucket}/raw/", "-o", remote, "--workers", "2")
+    assert again.returncode == 0 and "up to date" in again.stderr

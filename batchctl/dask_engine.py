@@ -1,0 +1,304 @@
+"""The Dask engine: preprocessing and shard writing spread over a dask.distributed cluster.
+
+The client cuts the task list into groups of one shard's worth of samples; group g owns shard g.
+A Dask task preprocesses its group and, when it got exactly one shard of rows, writes that shard
+straight to the shared store; otherwise (skipped files, files of unexpected sample counts, the
+last group) it stores its rows as a spill object. No two tasks ever write one shard, and a task
+run twice (Dask retries, a lost worker) writes the same objects again. The client then closes
+the gaps: full shards beyond the end move into the holes, spilled rows are written as the
+remaining shards, and the metadata and `complete` flag are written last.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import zarr
+
+from batchctl import format as fmt
+from batchctl import storage
+from batchctl.collate import check_schema
+from batchctl.preprocess import Preprocessor, resolve
+from batchctl.staging import BuildPaths
+from batchctl.storage import SourceRoot
+from batchctl.workers import Task, TaskResult, preprocess_task
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """Everything a Dask task needs; plain data, pickled to the worker."""
+
+    index: int
+    tasks: list[Task]
+    preprocess: str
+    options: Mapping[str, Any]
+    source: SourceRoot
+    dataset: str  # the staging dataset: a shared path or a URL
+    storage_options: Mapping[str, Any]
+    spill: str  # where this group's rows go when they are not one whole shard
+    layout: fmt.Layout
+    schema: dict[str, fmt.FieldSpec]
+    labelled: bool
+
+
+@dataclass
+class GroupResult:
+    index: int
+    results: list[TaskResult]
+    rows: int
+    full: bool  # wrote shard `index` whole; else its rows are in the spill object
+    pid: int
+    host: str
+    rejected: list[tuple[str, str, int]] = field(default_factory=list)
+
+
+def plan_groups(tasks: list[Task], shard_rows: int, expected: Callable[[Task], int]) -> list[list[Task]]:
+    """Consecutive tasks summing to one shard of expected samples each (the last one may be short)."""
+    groups: list[list[Task]] = [[]]
+    filled = 0
+    for task in tasks:
+        if groups[-1] and filled + expected(task) > shard_rows:
+            groups.append([])
+            filled = 0
+        groups[-1].append(task)
+        filled += expected(task)
+    return [group for group in groups if group]
+
+
+def run_group(spec: GroupSpec) -> GroupResult:
+    """Dask task: preprocess one group, then write its shard, or spill its rows."""
+    preprocessor: Preprocessor = resolve(spec.preprocess)
+    results, outputs, rejected = [], [], []
+    for task in spec.tasks:
+        result, output = preprocess_task(task, preprocessor, spec.options, spec.source)
+        if output is not None:
+            first = {name: column[0] for name, column in output.columns.items()}
+            reason = check_schema(spec.schema, first)
+            if reason:
+                rejected.append((task.item.relpath, reason, output.rows))
+                result = TaskResult(task, 0, reason)
+                output = None
+        results.append(result)
+        if output is not None:
+            outputs.append(output)
+    columns = _columns(outputs, spec.schema, spec.labelled)
+    rows = len(columns[fmt.SOURCE])
+    full = rows == spec.layout.shard_rows
+    if full:
+        group = zarr.open_group(spec.dataset, mode="r+", **storage.zarr_options(spec.dataset, spec.storage_options))
+        fmt.write_shard_at(fmt.open_arrays(group), spec.layout, spec.index, columns)
+    else:
+        _write_spill(spec, columns)
+    return GroupResult(spec.index, results, rows, full, os.getpid(), os.uname().nodename, rejected)
+
+
+def _columns(outputs: list[Any], schema: Mapping[str, fmt.FieldSpec], labelled: bool) -> dict[str, np.ndarray]:
+    """The rows of a group's outputs as dataset columns, provenance included."""
+    columns: dict[str, np.ndarray] = {}
+    for name, spec in schema.items():
+        parts = [output.columns[name] for output in outputs]
+        columns[name] = np.concatenate(parts) if parts else np.empty((0, *spec.shape), spec.dtype)
+    parts_of = [(task, rows) for output in outputs for task, rows in output.parts]
+    columns[fmt.SOURCE] = np.array([t.item.relpath for t, n in parts_of for _ in range(n)], dtype=object)
+    columns[fmt.SOURCE_INDEX] = np.array(
+        [i for t, n in parts_of for i in range(t.first + t.skip, t.first + t.skip + n)], dtype=np.int64
+    )
+    if labelled:
+        columns[fmt.LABEL] = np.array([t.item.label for t, n in parts_of for _ in range(n)], dtype=np.int64)
+    return columns
+
+
+def _write_spill(spec: GroupSpec, columns: Mapping[str, np.ndarray]) -> None:
+    buffer = io.BytesIO()
+    arrays = {name: col.astype(str) if col.dtype == object else col for name, col in columns.items()}
+    np.savez(buffer, **arrays)  # type: ignore[arg-type]
+    if storage.is_url(spec.spill):
+        storage.filesystem(spec.spill, spec.storage_options).pipe_file(storage.fs_path(spec.spill), buffer.getvalue())
+    else:
+        with open(spec.spill, "wb") as out:
+            out.write(buffer.getvalue())
+
+
+def read_spill(location: str, storage_options: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    if storage.is_url(location):
+        raw = storage.filesystem(location, storage_options).cat_file(storage.fs_path(location))
+    else:
+        with open(location, "rb") as spill:
+            raw = spill.read()
+    with np.load(io.BytesIO(raw)) as data:
+        return {name: data[name].astype(object) if data[name].dtype.kind == "U" else data[name] for name in data}
+
+
+@dataclass(frozen=True)
+class Compaction:
+    """How to make the shards contiguous: (from, to) moves of whole shards, then the indices the
+    spilled rows fill, in order, the last one possibly partial."""
+
+    moves: list[tuple[int, int]]
+    spill_shards: list[int]
+    total_rows: int
+
+
+def plan_compaction(full: list[int], spill_rows: int, shard_rows: int) -> Compaction:
+    """Full shards past the end of the final layout move into its holes; spilled rows fill the rest."""
+    total = len(full) * shard_rows + spill_rows
+    whole = total // shard_rows  # shard indices 0..whole-1 hold full shards in the end
+    present = set(full)
+    holes = [i for i in range(whole) if i not in present]
+    movers = sorted(i for i in full if i >= whole)
+    moves = list(zip(movers, holes, strict=False))
+    rest = holes[len(moves) :]
+    if total % shard_rows:
+        rest.append(whole)
+    return Compaction(moves, rest, total)
+
+
+def move_shard(paths: BuildPaths, arrays: Mapping[str, zarr.Array], source: int, target: int) -> None:
+    """Move one whole shard's objects (their bytes do not depend on where the shard sits)."""
+    fs = paths.fs if paths.remote else storage.local_filesystem()
+    root = storage.fs_path(paths.staging_url) if paths.remote else paths.staging_url
+    for name, arr in arrays.items():
+        src, dst = (
+            f"{root}/{key}" for key in fmt.shard_keys({name: arr}, source) + fmt.shard_keys({name: arr}, target)
+        )
+        if fs.exists(src):
+            fs.mv(src, dst)
+
+
+def spill_rows(spills: list[dict[str, np.ndarray]], shard_rows: int) -> Iterator[dict[str, np.ndarray]]:
+    """Spilled rows regrouped into shards of `shard_rows` (the last one shorter)."""
+    if not spills:
+        return
+    names = list(spills[0])
+    merged = {name: np.concatenate([spill[name] for spill in spills]) for name in names}
+    total = len(merged[fmt.SOURCE])
+    for start in range(0, total, shard_rows):
+        yield {name: column[start : start + shard_rows] for name, column in merged.items()}
+
+
+class DaskRun:
+    """The client's side of a Dask build: probe the schema, submit the groups, follow them as they
+    finish, then close the gaps between shards."""
+
+    def __init__(self, builder: Any, group: zarr.Group, labelled: bool) -> None:
+        self.builder = builder
+        self.options = builder.options
+        self.paths: BuildPaths = builder.paths
+        self.group = group
+        self.labelled = labelled
+        self.source = SourceRoot(builder.source, self.options.storage_options)
+        self.workers_seen: set[str] = set()
+
+    def run(self, tasks: list[Task]) -> Any:
+        from batchctl.collate import Finished
+
+        schema = self._probe_schema(tasks)
+        shard_batches = self.options.shard_batches or fmt.default_shard_batches(self.options.batch_size, schema)
+        layout = fmt.Layout(self.options.batch_size, shard_batches)
+        groups = plan_groups(tasks, layout.shard_rows, _expected_rows)
+        arrays = fmt.create_arrays(self.group, schema, layout, self.options.compression, self.labelled)
+        for arr in arrays.values():  # sized for every group's shard up front: tasks write no metadata
+            arr.resize((len(groups) * layout.shard_rows, *arr.shape[1:]))
+        spill_dir = f"{self.paths.workdir_url}/spill"
+        if not self.paths.remote:
+            os.makedirs(spill_dir, exist_ok=True)
+        specs = [
+            GroupSpec(
+                index,
+                group,
+                self.builder.preprocessor.name,
+                self.builder.pp_options,
+                self.source,
+                self.paths.staging_url,
+                dict(self.options.storage_options),
+                f"{spill_dir}/{index:08d}.npz",
+                layout,
+                schema,
+                self.labelled,
+            )
+            for index, group in enumerate(groups)
+        ]
+        results = self._submit(specs, layout)
+        samples = self._compact(arrays, layout, results, specs)
+        return Finished(
+            samples,
+            -(-samples // layout.shard_rows),
+            0,
+            shard_batches,
+            {name: spec.to_json() for name, spec in schema.items()},
+        )
+
+    def _probe_schema(self, tasks: list[Task]) -> dict[str, fmt.FieldSpec]:
+        """The schema of the first file that preprocesses, here in the client (one file's work)."""
+        for task in tasks:
+            _, output = preprocess_task(task, self.builder.preprocessor, self.builder.pp_options, self.source)
+            if output is not None:
+                first = {name: column[0] for name, column in output.columns.items()}
+                if check_schema({name: fmt.FieldSpec.of(v) for name, v in first.items()}, first) is None:
+                    return {name: fmt.FieldSpec.of(value) for name, value in first.items()}
+        from batchctl.errors import BuildFailed
+
+        raise BuildFailed(f"no samples were produced: all {len(tasks)} files were skipped", self.builder.report)
+
+    def _client(self) -> Any:
+        try:
+            from distributed import Client, LocalCluster
+        except ImportError:
+            from batchctl.errors import UsageError
+
+            raise UsageError("--engine dask needs dask.distributed: pip install 'batchctl[dask]'") from None
+        if self.options.scheduler:
+            return Client(self.options.scheduler, timeout="30s"), None
+        cluster = LocalCluster(
+            n_workers=self.options.workers, threads_per_worker=1, processes=True, dashboard_address=None
+        )
+        return Client(cluster), cluster
+
+    def _submit(self, specs: list[GroupSpec], layout: fmt.Layout) -> list[GroupResult]:
+        from distributed import as_completed
+
+        client, cluster = self._client()
+        futures = []
+        try:
+            futures = [client.submit(run_group, spec, retries=3, pure=False) for spec in specs]
+            results = []
+            for future in as_completed(futures):
+                result: GroupResult = future.result()
+                results.append(result)
+                self.workers_seen.add(f"{result.host}:{result.pid}")
+                for task_result in result.results:
+                    self.builder._on_result(task_result)
+                    self.builder.progress.file_done()
+                if result.full:
+                    self.builder.progress.batches_written(layout.shard_batches)
+            return results
+        finally:
+            client.cancel(futures)
+            client.close()
+            if cluster is not None:
+                cluster.close()
+
+    def _compact(
+        self, arrays: Mapping[str, zarr.Array], layout: fmt.Layout, results: list[GroupResult], specs: list[GroupSpec]
+    ) -> int:
+        """Make the shards contiguous; the dataset's number of samples."""
+        full = sorted(result.index for result in results if result.full)
+        spilled = sorted((result for result in results if not result.full and result.rows), key=lambda r: r.index)
+        plan = plan_compaction(full, sum(result.rows for result in spilled), layout.shard_rows)
+        for source, target in plan.moves:
+            move_shard(self.paths, arrays, source, target)
+        for arr in arrays.values():
+            arr.resize((plan.total_rows, *arr.shape[1:]))
+        spills = [read_spill(specs[result.index].spill, self.options.storage_options) for result in spilled]
+        for index, columns in zip(plan.spill_shards, spill_rows(spills, layout.shard_rows), strict=True):
+            fmt.write_shard_at(arrays, layout, index, columns)
+        return plan.total_rows
+
+
+def _expected_rows(task: Task) -> int:
+    return task.part[1] - task.part[0] - task.skip if task.part else 1

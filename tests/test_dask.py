@@ -1,0 +1,115 @@
+"""The Dask engine against a real scheduler and two worker processes on loopback."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import batchctl
+from batchctl.dask_engine import plan_compaction
+from batchctl.inspect import verify
+
+from .conftest import PLUGINS, run_cli
+
+pytest.importorskip("distributed")
+
+PID_IMAGES = ["--preprocess", f"{PLUGINS}:image_and_pid", "--batch-size", "4", "--shard-batches", "2"]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, list[int]]]:
+    """`dask scheduler` and two `dask worker` processes (no nanny: the worker is the process we start)."""
+    logs = tmp_path_factory.mktemp("dask")
+    port = _free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    procs = []
+
+    def start(name: str, args: list[str]) -> subprocess.Popen[bytes]:
+        out = open(logs / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
+        proc = subprocess.Popen([sys.executable, "-m", *args], stdout=out, stderr=out, cwd=Path(__file__).parent.parent)
+        procs.append(proc)
+        return proc
+
+    start("scheduler", ["distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard"])
+    worker_args = ["distributed.cli.dask_worker", address, "--nthreads", "1", "--no-nanny", "--no-dashboard"]
+    workers = [start(f"worker{i}", [*worker_args, "--host", "127.0.0.1"]) for i in range(2)]
+    try:
+        from distributed import Client
+
+        deadline = time.monotonic() + 60
+        with Client(address, timeout="30s") as client:
+            while len(client.scheduler_info()["workers"]) < 2:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the Dask workers did not join: " + (logs / "worker0.log").read_text())
+                time.sleep(0.2)
+        yield address, [w.pid for w in workers]
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(timeout=20)
+
+
+def test_dask_cluster_preprocesses_every_file_exactly_once(
+    image_folder: Path, tmp_path: Path, cluster: tuple[str, list[int]]
+) -> None:
+    address, worker_pids = cluster
+    source = tmp_path / "src"
+    subprocess.run(["cp", "-r", str(image_folder), str(source)], check=True)
+    for i in range(3):  # skipped files leave groups short: their rows are spilled and compacted
+        (source / "dog" / f"bad{i}.jpg").write_bytes(b"not a jpeg")
+    out, local, report = tmp_path / "dask.zarr", tmp_path / "local.zarr", tmp_path / "r.json"
+    result = run_cli(
+        "build", source, "-o", out, *PID_IMAGES, "--engine", "dask", "--scheduler", address, "--report", report
+    )
+    assert result.returncode == 0, result.stderr
+    data = json.loads(report.read_text())
+    assert data["status"] == "complete" and data["samples"] == 60 and len(data["errors"]) == 3
+    assert run_cli("build", source, "-o", local, *PID_IMAGES, "--workers", "2").returncode == 0
+
+    ds, ref = batchctl.open(out), batchctl.open(local)
+    rows = {
+        (str(s), int(i)): (img, int(pid))
+        for b in ds
+        for s, i, img, pid in zip(b["source"], b["source_index"], b["image"], b["pid"], strict=True)
+    }
+    ref_rows = {
+        (str(s), int(i)): img for b in ref for s, i, img in zip(b["source"], b["source_index"], b["image"], strict=True)
+    }
+    assert ds.num_samples == 60 and rows.keys() == ref_rows.keys()
+    for key, (image, _) in rows.items():
+        np.testing.assert_array_equal(image, ref_rows[key])
+    pids = {pid for _, pid in rows.values()}
+    assert pids <= set(worker_pids)  # the cluster's workers did the preprocessing, not the client
+    assert {int(w.rsplit(":", 1)[1]) for w in data["workers_seen"]} <= set(worker_pids)
+    assert verify(out) == []
+    again = run_cli("build", source, "-o", out, *PID_IMAGES, "--engine", "dask", "--scheduler", address)
+    assert again.returncode == 0 and "up to date" in again.stderr
+
+
+@pytest.mark.parametrize(
+    ("full", "spilled", "shard_rows"),
+    [([0, 1, 2], 0, 8), ([0, 2, 3], 5, 8), ([1, 4, 5], 20, 8), ([], 13, 8), ([3], 0, 4), ([0, 5, 6, 7], 9, 4)],
+)
+def test_compaction_leaves_contiguous_whole_shards(full: list[int], spilled: int, shard_rows: int) -> None:
+    plan = plan_compaction(full, spilled, shard_rows)
+    placed = {target for _, target in plan.moves} | ({*full} - {source for source, _ in plan.moves})
+    placed |= set(plan.spill_shards)
+    shards = -(-plan.total_rows // shard_rows)
+    assert placed == set(range(shards))  # every final index holds exactly one shard, no gaps
+    assert len(placed) == len(full) + len(plan.spill_shards)
+    assert plan.total_rows == len(full) * shard_rows + spilled
