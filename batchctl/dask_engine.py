@@ -195,10 +195,29 @@ class DaskRun:
         self.workers_seen: set[str] = set()
 
     def run(self, tasks: list[Task]) -> Any:
+        schema = self._probe_schema(tasks)
+        client, cluster = self._client()
+        try:
+            return self._run(tasks, schema, client)
+        finally:
+            client.close()
+            if cluster is not None:
+                cluster.close()
+
+    def _shard_batches(self, tasks: list[Task], schema: dict[str, fmt.FieldSpec], client: Any) -> int:
+        """The usual ~128 MiB shards, but small enough that every worker thread gets about four
+        groups: a group is one Dask task, and a data set of few shards would leave workers idle."""
+        if self.options.shard_batches:
+            return int(self.options.shard_batches)
+        threads = max(1, sum(client.nthreads().values()))
+        batches = -(-sum(_expected_rows(task) for task in tasks) // self.options.batch_size)
+        spread = max(fmt.MIN_SHARD_BATCHES, -(-batches // (4 * threads)))
+        return min(fmt.default_shard_batches(self.options.batch_size, schema), spread)
+
+    def _run(self, tasks: list[Task], schema: dict[str, fmt.FieldSpec], client: Any) -> Any:
         from batchctl.collate import Finished
 
-        schema = self._probe_schema(tasks)
-        shard_batches = self.options.shard_batches or fmt.default_shard_batches(self.options.batch_size, schema)
+        shard_batches = self._shard_batches(tasks, schema, client)
         layout = fmt.Layout(self.options.batch_size, shard_batches)
         groups = plan_groups(tasks, layout.shard_rows, _expected_rows)
         arrays = fmt.create_arrays(self.group, schema, layout, self.options.compression, self.labelled)
@@ -223,7 +242,7 @@ class DaskRun:
             )
             for index, group in enumerate(groups)
         ]
-        results = self._submit(specs, layout)
+        results = self._submit(client, specs, layout)
         samples = self._compact(arrays, layout, results, specs)
         return Finished(
             samples,
@@ -259,10 +278,9 @@ class DaskRun:
         )
         return Client(cluster), cluster
 
-    def _submit(self, specs: list[GroupSpec], layout: fmt.Layout) -> list[GroupResult]:
+    def _submit(self, client: Any, specs: list[GroupSpec], layout: fmt.Layout) -> list[GroupResult]:
         from distributed import as_completed
 
-        client, cluster = self._client()
         futures = []
         try:
             futures = [client.submit(run_group, spec, retries=3, pure=False) for spec in specs]
@@ -279,9 +297,6 @@ class DaskRun:
             return results
         finally:
             client.cancel(futures)
-            client.close()
-            if cluster is not None:
-                cluster.close()
 
     def _compact(
         self, arrays: Mapping[str, zarr.Array], layout: fmt.Layout, results: list[GroupResult], specs: list[GroupSpec]
