@@ -58,10 +58,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, lis
                 time.sleep(0.2)
         yield address, [w.pid for w in workers]
     finally:
-        for proc in procs:
+        for proc in reversed(procs):  # workers first: without a scheduler they linger, reconnecting
             proc.terminate()
-        for proc in procs:
-            proc.wait(timeout=20)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
 
 
 def test_dask_cluster_preprocesses_every_file_exactly_once(
