@@ -116,3 +116,38 @@ def test_compaction_leaves_contiguous_whole_shards(full: list[int], spilled: int
     assert placed == set(range(shards))  # every final index holds exactly one shard, no gaps
     assert len(placed) == len(full) + len(plan.spill_shards)
     assert plan.total_rows == len(full) * shard_rows + spilled
+
+
+def test_a_lost_worker_costs_only_its_group(image_folder: Path, tmp_path: Path, cluster: tuple[str, list[int]]) -> None:
+    """Runs last: it kills one of the module's two workers; the other runs the lost group again."""
+    address, _ = cluster
+    victim = sorted(p.name for p in image_folder.rglob("*.*"))[7]
+    marker = tmp_path / "killed-once"
+    out, report = tmp_path / "lost.zarr", tmp_path / "r.json"
+    args = ["--preprocess", f"{PLUGINS}:die_once", "--option", f"name={victim}", "--option", f"marker={marker}"]
+    result = run_cli(
+        "build",
+        image_folder,
+        "-o",
+        out,
+        *args,
+        "--batch-size",
+        "4",
+        "--shard-batches",
+        "2",
+        "--engine",
+        "dask",
+        "--scheduler",
+        address,
+        "--report",
+        report,
+    )
+    assert result.returncode == 0, result.stderr
+    assert marker.exists()  # a worker really died on that file
+    data = json.loads(report.read_text())
+    assert data["errors"] == [] and data["samples"] == 60
+    ds = batchctl.open(out)
+    assert sorted(str(s) for b in ds for s in b["source"]) == sorted(
+        p.relative_to(image_folder).as_posix() for p in image_folder.rglob("*.*")
+    )
+    assert verify(out) == []
