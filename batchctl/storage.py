@@ -1,6 +1,6 @@
 """Where datasets live: a local folder, or a URL of an fsspec filesystem (s3://, gs://, az://...).
 
-Local paths keep their own fast paths (fsync, rename, mmap); a URL goes through fsspec, whose
+Local paths keep their own fast paths (fsync, rename, pread); a URL goes through fsspec, whose
 packages (s3fs, gcsfs, adlfs) are optional extras. Credentials and endpoints come from the
 packages' usual environment (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ...) or `storage_options`.
 """

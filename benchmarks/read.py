@@ -35,9 +35,16 @@ def bench_read(root: Path, results: dict[str, Any], build_cmd: Callable[..., lis
         return best
 
     limit = rate(lambda: np.load(npy))
+    results["read"] = _read_rates(ds, nbytes, limit, rate)
+    plain = root / "read-plain.zarr"  # the same batches without compression (chunks still checksummed)
+    subprocess.run(build_cmd(src, plain, "--batch-size", "64", "--compression", "none"), check=True)
+    results["read_uncompressed"] = _read_rates(batchctl.open(plain), nbytes, limit, rate)
+
+
+def _read_rates(ds: batchctl.Dataset, nbytes: int, limit: float, rate: Callable[..., float]) -> dict[str, Any]:
     sequential = rate(lambda: [b["image"] for b in ds.iter_batches(prefetch=2)])
     shuffled = rate(lambda: [b["image"] for b in ds.iter_batches(shuffle=True, seed=1, prefetch=2)])
-    results["read"] = {
+    return {
         "samples": ds.num_samples,
         "bytes": nbytes,
         "np_load_mb_s": round(nbytes / limit / 1e6, 1),
