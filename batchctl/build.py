@@ -175,12 +175,7 @@ class _Builder:
         self.progress.close()
         if finished.samples == 0:
             raise BuildFailed(f"no samples were produced: all {len(discovery.items)} files were skipped", self.report)
-        self._publish(discovery, fingerprint, finished)
-        self.report.samples = finished.samples
-        self.report.batches = fmt.num_batches(finished.samples, self.options.batch_size)
-        self.report.shards = finished.shards
-        self.report.bytes = storage.tree_bytes(self.output, self.options.storage_options)
-        return self._end("complete")
+        return self._complete(discovery, fingerprint, finished)
 
     def _run_dask(self, discovery: Discovery, fingerprint: str) -> BuildReport:
         from batchctl.dask_engine import DaskRun
@@ -195,11 +190,14 @@ class _Builder:
         run = DaskRun(self, group, discovery.classes is not None)
         finished = run.run(tasks)
         self.progress.close()
+        self.report.workers_seen = sorted(run.workers_seen)
+        return self._complete(discovery, fingerprint, finished)
+
+    def _complete(self, discovery: Discovery, fingerprint: str, finished: Finished) -> BuildReport:
         self._publish(discovery, fingerprint, finished)
         self.report.samples = finished.samples
         self.report.batches = fmt.num_batches(finished.samples, self.options.batch_size)
         self.report.shards = finished.shards
-        self.report.workers_seen = sorted(run.workers_seen)
         self.report.bytes = storage.tree_bytes(self.output, self.options.storage_options)
         return self._end("complete")
 

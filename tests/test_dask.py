@@ -16,6 +16,7 @@ import pytest
 import batchctl
 from batchctl.dask_engine import plan_compaction
 from batchctl.inspect import verify
+from tests.test_build import image_files
 
 from .conftest import PLUGINS, run_cli
 
@@ -147,7 +148,5 @@ def test_a_lost_worker_costs_only_its_group(image_folder: Path, tmp_path: Path, 
     data = json.loads(report.read_text())
     assert data["errors"] == [] and data["samples"] == 60
     ds = batchctl.open(out)
-    assert sorted(str(s) for b in ds for s in b["source"]) == sorted(
-        p.relative_to(image_folder).as_posix() for p in image_folder.rglob("*.*")
-    )
+    assert sorted(str(s) for b in ds for s in b["source"]) == sorted(image_files(image_folder))
     assert verify(out) == []

@@ -19,6 +19,7 @@ import pytest
 
 import batchctl
 from batchctl.inspect import verify
+from tests.test_build import image_files
 
 from .conftest import PLUGINS, kill_group, run_cli, start_cli, wait_for, wait_group_gone
 
@@ -139,7 +140,7 @@ def test_interrupted_s3_build_is_not_readable_and_resumes(image_folder: Path, bu
     assert "resuming" in result.stderr
     ds = batchctl.open(url)
     sources = sorted(str(s) for b in ds for s in b["source"])
-    assert sources == sorted(p.relative_to(image_folder).as_posix() for p in image_folder.rglob("*.*"))
+    assert sources == sorted(image_files(image_folder))
     assert verify(url) == []
 
 
