@@ -254,10 +254,7 @@ class _Builder:
         if arrays:
             source = arrays[fmt.SOURCE]
             layout = fmt.Layout(source.chunks[0], source.shards[0] // source.chunks[0])  # type: ignore[index]
-            if self.paths.remote:
-                fs, root = self.paths.fs, storage.fs_path(self.paths.staging_url)
-            else:
-                fs, root = storage.local_filesystem(), self.paths.staging_url
+            fs, root = storage.locate(self.paths.staging_url, self.paths.storage_options)
             fmt.truncate(arrays, layout, fs, root, len(shards))
         staging.rewrite_journal(self.paths, shards)
         self.report.resumed_shards = len(shards)

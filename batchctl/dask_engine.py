@@ -117,19 +117,13 @@ def _write_spill(spec: GroupSpec, columns: Mapping[str, np.ndarray]) -> None:
     buffer = io.BytesIO()
     arrays = {name: col.astype(str) if col.dtype == object else col for name, col in columns.items()}
     np.savez(buffer, **arrays)  # type: ignore[arg-type]
-    if storage.is_url(spec.spill):
-        storage.filesystem(spec.spill, spec.storage_options).pipe_file(storage.fs_path(spec.spill), buffer.getvalue())
-    else:
-        with open(spec.spill, "wb") as out:
-            out.write(buffer.getvalue())
+    fs, where = storage.locate(spec.spill, spec.storage_options)
+    fs.pipe_file(where, buffer.getvalue())
 
 
 def read_spill(location: str, storage_options: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    if storage.is_url(location):
-        raw = storage.filesystem(location, storage_options).cat_file(storage.fs_path(location))
-    else:
-        with open(location, "rb") as spill:
-            raw = spill.read()
+    fs, where = storage.locate(location, storage_options)
+    raw = fs.cat_file(where)
     with np.load(io.BytesIO(raw)) as data:
         return {name: data[name].astype(object) if data[name].dtype.kind == "U" else data[name] for name in data}
 
@@ -160,8 +154,7 @@ def plan_compaction(full: list[int], spill_rows: int, shard_rows: int) -> Compac
 
 def move_shard(paths: BuildPaths, arrays: Mapping[str, zarr.Array], source: int, target: int) -> None:
     """Move one whole shard's objects (their bytes do not depend on where the shard sits)."""
-    fs = paths.fs if paths.remote else storage.local_filesystem()
-    root = storage.fs_path(paths.staging_url) if paths.remote else paths.staging_url
+    fs, root = storage.locate(paths.staging_url, paths.storage_options)
     for name, arr in arrays.items():
         src, dst = (
             f"{root}/{key}" for key in fmt.shard_keys({name: arr}, source) + fmt.shard_keys({name: arr}, target)

@@ -116,7 +116,7 @@ def _discover_url(
     source: str, accepts: Callable[[str], bool], seed: int | None, storage_options: Mapping[str, Any] | None
 ) -> Discovery:
     """The objects under a URL; an object's stamp is its size and LastModified time."""
-    fs, root = storage.filesystem(source, storage_options), storage.fs_path(source)
+    fs, root = storage.locate(source, storage_options)
     try:
         listing = fs.find(root, detail=True)
     except Exception as exc:  # noqa: BLE001 - the store's client raises many kinds

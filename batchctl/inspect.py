@@ -121,10 +121,7 @@ def verify(
 
 def _stored_keys(ds: Dataset) -> set[str]:
     """Keys (relative to the dataset root) of every object stored, local or remote."""
-    if storage.is_url(ds.path):
-        fs, root = storage.filesystem(ds.path, ds.storage_options), storage.fs_path(ds.path)
-    else:
-        fs, root = storage.local_filesystem(), ds.path
+    fs, root = storage.locate(ds.path, ds.storage_options)
     return {name[len(root.rstrip("/")) + 1 :] for name in fs.find(root)}
 
 

@@ -58,6 +58,13 @@ def local_filesystem() -> Any:
     return fsspec.filesystem("file")
 
 
+def locate(location: str, storage_options: Mapping[str, Any] | None = None) -> tuple[Any, str]:
+    """The fsspec filesystem holding `location` and the path inside it, local or remote alike."""
+    if is_url(location):
+        return filesystem(location, storage_options), fs_path(location)
+    return local_filesystem(), location
+
+
 def fs_path(url: str) -> str:
     """The path inside its filesystem: the URL without its scheme."""
     return url.split("://", 1)[1]

@@ -6,6 +6,7 @@ import contextlib
 import multiprocessing
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -90,6 +91,13 @@ def wait_for(predicate: object, timeout: float = 60) -> None:
         if time.monotonic() > deadline:
             raise AssertionError("condition not reached in time")
         time.sleep(0.02)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now, for a test server."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def shm_segments() -> set[str]:

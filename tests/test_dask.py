@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -18,24 +17,18 @@ from batchctl.dask_engine import plan_compaction
 from batchctl.inspect import verify
 from tests.test_build import image_files
 
-from .conftest import PLUGINS, run_cli
+from .conftest import PLUGINS, free_port, run_cli
 
 pytest.importorskip("distributed")
 
 PID_IMAGES = ["--preprocess", f"{PLUGINS}:image_and_pid", "--batch-size", "4", "--shard-batches", "2"]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, list[int]]]:
     """`dask scheduler` and two `dask worker` processes (no nanny: the worker is the process we start)."""
     logs = tmp_path_factory.mktemp("dask")
-    port = _free_port()
+    port = free_port()
     address = f"tcp://127.0.0.1:{port}"
     procs = []
 

@@ -21,7 +21,7 @@ import batchctl
 from batchctl.inspect import verify
 from tests.test_build import image_files
 
-from .conftest import PLUGINS, kill_group, run_cli, start_cli, wait_for, wait_group_gone
+from .conftest import PLUGINS, free_port, kill_group, run_cli, start_cli, wait_for, wait_group_gone
 
 s3fs = pytest.importorskip("s3fs")
 pytest.importorskip("moto")
@@ -29,16 +29,10 @@ pytest.importorskip("moto")
 SLOW = ["--preprocess", f"{PLUGINS}:slow_image", "--batch-size", "4", "--shard-batches", "1", "--workers", "2"]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(scope="session")
 def s3_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A moto S3 server in its own process on a free loopback port; credentials in the environment."""
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("moto") / "server.log"
     with open(log, "w") as out:
         server = subprocess.Popen(
