@@ -24,7 +24,10 @@ import numcodecs
 import numpy as np
 import zarr
 import zarr.codecs as zc
+import zarr.storage
 from zarr.core.array_spec import ArrayConfigParams
+from zarr.core.buffer import cpu
+from zarr.core.sync import sync
 
 from batchctl import storage
 from batchctl.errors import FormatError, IncompleteDatasetError
@@ -190,7 +193,70 @@ def write_shard(
         if len(data) != rows:
             raise FormatError(f"shard {shard_index}: column {name} has {len(data)} rows, expected {rows}")
         arr.resize((start + rows, *arr.shape[1:]))
-        arr[start : start + rows] = data
+        _write_whole_shard(arr, layout, shard_index, data)
+
+
+def _write_whole_shard(arr: zarr.Array, layout: Layout, shard_index: int, data: np.ndarray) -> None:
+    """Encode and store one whole shard ourselves where the layout allows: zarr-python 3.1 reads
+    the old shard back and assembles the new one in several copies, which cost the collator more
+    than compressing it (py-spy); zarr writes anything else."""
+    shard = _encode_shard(arr, layout, data)
+    if shard is None:
+        start = shard_index * layout.shard_rows
+        arr[start : start + len(data)] = data
+        return
+    key = f"{arr.path}/{_shard_key(arr, shard_index)}"
+    if isinstance(arr.store, zarr.storage.LocalStore):
+        _write_atomically(Path(arr.store.root) / key, shard)
+    else:  # an object store's PUT is atomic
+        sync(arr.store.set(key, cpu.Buffer.from_bytes(b"".join(shard))))
+
+
+def _write_atomically(path: Path, pieces: list[Any]) -> None:
+    """As zarr's LocalStore does it (a temporary file renamed over the shard, so readers never see
+    a torn one), but written from the pieces without joining them into one more copy."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        with tmp.open("wb") as file:
+            file.writelines(pieces)
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _encode_shard(arr: zarr.Array, layout: Layout, data: np.ndarray) -> list[Any] | None:
+    """The bytes, in pieces, of a `sharding_indexed` shard holding `data` (at most one shard of
+    rows; a short last chunk is padded with the fill value, as zarr does), or None for layouts
+    left to zarr."""
+    inner = own_codecs(arr)
+    names = [codec["name"] for codec in inner or ()]
+    if inner is None or names not in (["bytes", "zstd"], ["bytes", "crc32c"]) or arr.dtype.kind == "T":
+        return None
+    zstd_config = inner[1].get("configuration") or {} if names[1] == "zstd" else None
+    codec = None if zstd_config is None else numcodecs.Zstd(**zstd_config)
+    pieces: list[Any] = []
+    index = np.full((layout.shard_batches, 2), _NO_CHUNK, dtype="<u8")
+    offset = 0
+    for position, first in enumerate(range(0, len(data), layout.batch_size)):
+        chunk = data[first : first + layout.batch_size]
+        if len(chunk) < layout.batch_size:
+            padded = np.full((layout.batch_size, *chunk.shape[1:]), arr.fill_value, dtype=chunk.dtype)
+            padded[: len(chunk)] = chunk
+            chunk = padded
+        raw = np.ascontiguousarray(chunk).reshape(-1).view(np.uint8)
+        encoded: list[Any] = [codec.encode(raw)] if codec is not None else [raw, _crc32c_bytes(raw)]
+        nbytes = sum(len(piece) for piece in encoded)
+        index[position] = (offset, nbytes)
+        pieces += encoded
+        offset += nbytes
+    index_bytes = index.reshape(-1).view(np.uint8)
+    return [*pieces, index_bytes, _crc32c_bytes(index_bytes)]
+
+
+def _crc32c_bytes(data: Any) -> bytes:
+    return int(google_crc32c.value(data)).to_bytes(4, "little")
 
 
 def write_shard_at(
@@ -279,6 +345,41 @@ def open_group(
     return group, attrs
 
 
+_INNER_CODECS = (["bytes", "zstd"], ["bytes", "blosc", "crc32c"], ["bytes", "crc32c"])
+
+
+def own_codecs(arr: zarr.Array) -> list[dict[str, Any]] | None:
+    """The inner codecs of `arr` when its layout is the one batchctl writes and decodes itself
+    (`ChunkReader`, `_encode_shard`), else None and zarr-python does the work:
+    `sharding_indexed` with the index at the end (little-endian uint64 offset/nbytes pairs plus
+    crc32c), one chunk across all but the first dimension, inner codecs bytes + zstd,
+    bytes + blosc + crc32c, or bytes + crc32c, little-endian numbers or vlen-utf8 strings."""
+    if arr.dtype.kind not in "biufT" or not arr.shards:
+        return None
+    (codec,) = arr.metadata.codecs  # type: ignore[union-attr]
+    sharding: dict[str, Any] = json.loads(json.dumps(codec.to_dict()))
+    config: dict[str, Any] = sharding.get("configuration") or {}
+    inner = list(config.get("codecs", ()))
+    names = [codec["name"] for codec in inner]
+    index_names = [codec["name"] for codec in config.get("index_codecs", ())]
+    if names and names[0] == "vlen-utf8":  # the `source` strings
+        names[0] = "bytes"
+    elif arr.dtype.kind == "T":
+        return None
+    endian = (inner[0].get("configuration") or {}).get("endian", "little") if inner else None
+    little = np.dtype(arr.dtype).byteorder in "<|=" and endian == "little"
+    if (
+        sharding.get("name") != "sharding_indexed"
+        or config.get("index_location") != "end"
+        or index_names != ["bytes", "crc32c"]
+        or names not in _INNER_CODECS
+        or not little
+        or any(int(s) != int(c) for s, c in zip(arr.shards[1:], arr.chunks[1:], strict=True))
+    ):
+        return None
+    return inner
+
+
 _NO_CHUNK = 2**64 - 1  # an index entry of an empty chunk in the sharding_indexed codec
 _SHARD_CACHE = 4
 
@@ -307,30 +408,8 @@ class ChunkReader:
 
     @classmethod
     def for_array(cls, root: Path, arr: zarr.Array) -> ChunkReader | None:
-        if arr.dtype.kind not in "biufT" or not arr.shards:
-            return None
-        (codec,) = arr.metadata.codecs  # type: ignore[union-attr]
-        sharding: dict[str, Any] = json.loads(json.dumps(codec.to_dict()))
-        config: dict[str, Any] = sharding.get("configuration") or {}
-        inner = list(config.get("codecs", ()))
-        names = [codec["name"] for codec in inner]
-        index_names = [codec["name"] for codec in config.get("index_codecs", ())]
-        if names and names[0] == "vlen-utf8":  # the `source` strings
-            names[0] = "bytes"
-        elif arr.dtype.kind == "T":
-            return None
-        endian = (inner[0].get("configuration") or {}).get("endian", "little") if inner else None
-        little = np.dtype(arr.dtype).byteorder in "<|=" and endian == "little"
-        if (
-            sharding.get("name") != "sharding_indexed"
-            or config.get("index_location") != "end"
-            or index_names != ["bytes", "crc32c"]
-            or names not in (["bytes", "zstd"], ["bytes", "blosc", "crc32c"], ["bytes", "crc32c"])
-            or not little
-            or any(int(s) != int(c) for s, c in zip(arr.shards[1:], arr.chunks[1:], strict=True))
-        ):
-            return None
-        return cls(root, arr, inner)
+        inner = own_codecs(arr)
+        return None if inner is None else cls(root, arr, inner)
 
     def _shard(self, shard: int) -> tuple[io.FileIO, mmap.mmap, np.ndarray]:
         """An open shard file, its mapping and its index; the last few are kept."""
