@@ -20,6 +20,7 @@ import zarr
 from batchctl import format as fmt
 from batchctl import staging, storage
 from batchctl.preprocess import Sample
+from batchctl.ring import InRing, SampleRing
 from batchctl.staging import BuildPaths
 from batchctl.workers import TaskOutput, describe_error, init_child
 
@@ -110,6 +111,7 @@ class Collator:
         self.shard: _Shard | None = None
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchctl-write")
         self.writing: Future[None] | None = None
+        self.written: _Shard | None = None  # the shard being written, or last written
         if self.arrays:
             self._adopt_existing()
 
@@ -133,7 +135,11 @@ class Collator:
         )
         self.shard = self._new_shard()
 
-    def _new_shard(self) -> _Shard:
+    def _new_shard(self, spare: _Shard | None = None) -> _Shard:
+        """An empty shard; reusing a written shard's buffers saves faulting in fresh pages
+        (~128 MiB a shard), which cost as much as copying the rows in."""
+        if spare is not None:
+            return _Shard(spare.columns)
         assert self.schema is not None and self.layout is not None
         rows = self.layout.shard_rows
         columns = {name: np.empty((rows, *spec.shape), spec.dtype) for name, spec in self.schema.items()}
@@ -185,9 +191,10 @@ class Collator:
         and disk writes overlap collation. At most one shard is being written: two buffers in all."""
         assert self.shard is not None
         self._wait_for_writer()
+        spare, self.written = self.written, self.shard
         self.writing = self.writer.submit(self._store, self.shard_index, self.shard, journal)
         self.shard_index += 1
-        self.shard = self._new_shard()
+        self.shard = self._new_shard(spare)
 
     def _wait_for_writer(self) -> None:
         if self.writing is not None:
@@ -231,14 +238,22 @@ class Collator:
         return Finished(samples, self.shard_index, self.nbytes, shard_batches, schema)
 
 
-def run_collator(config: CollatorConfig, inbox: SimpleQueue[Any], events: Queue[Event]) -> None:
+def run_collator(
+    config: CollatorConfig, inbox: SimpleQueue[Any], events: Queue[Event], ring: SampleRing | None
+) -> None:
     """Process entry point: collate until the parent's End and every task output it counts arrived."""
     init_child("batchctl-collator")
     try:
         collator = Collator(config, events)
-        while not isinstance(message := inbox.get(), End):
-            for output in message:  # one worker's chunk
-                collator.add(output)
+        while not isinstance(message := inbox.get(), End):  # one worker's chunk
+            if isinstance(message, InRing):
+                assert ring is not None
+                for output in ring.outputs(message):
+                    collator.add(output)
+                ring.release(message)
+            else:
+                for output in message:
+                    collator.add(output)
         events.put(collator.finish())
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails the build
         events.put(Crashed(f"the collator failed writing {config.paths.url}: {describe_error(exc)}"))

@@ -25,7 +25,8 @@ from typing import Any
 from batchctl.collate import CollatorConfig, Crashed, End, Event, Finished, Rejected, ShardWritten, run_collator
 from batchctl.preprocess import Preprocessor
 from batchctl.progress import Progress
-from batchctl.staging import BuildPaths, record_semaphores, signals_ignored
+from batchctl.ring import SampleRing
+from batchctl.staging import SHM_MARK, BuildPaths, record_semaphores, signals_ignored
 from batchctl.storage import SourceRoot
 from batchctl.workers import (
     BoundedFeed,
@@ -36,6 +37,7 @@ from batchctl.workers import (
     exit_codes,
     mp_context,
     run_chunk,
+    start_forkserver,
     start_pool,
 )
 
@@ -110,7 +112,10 @@ class Pipeline:
         self.pool: Any = None
         self.feed: BoundedFeed | None = None
         self.slots = WorkerSlots(self.ctx, 2 * config.workers + 8)
+        self.ring = SampleRing.create(self.ctx, self.slots.count)
         record_semaphores(config.paths, semaphore_names(self.inbox, self.events, self.slots.lock))
+        if self.ring is not None:
+            record_semaphores(config.paths, [*semaphore_names(*self.ring.semaphores()), SHM_MARK + self.ring.name])
         self.pending: dict[int, Task] = {}
         self.chunk_of: dict[int, list[Task]] = {}
         self.seen_workers: dict[int, Any] = {}
@@ -124,17 +129,28 @@ class Pipeline:
         except BaseException:
             self._abort()
             raise
+        finally:  # every child is gone by now
+            if self.ring is not None:
+                self.ring.unlink()
 
     def _run(self, tasks: list[Task]) -> Finished:
         cfg = self.config
+        start_forkserver()
         self.collator = self.ctx.Process(
-            target=run_collator, args=(cfg.collator, self.inbox, self.events), name="batchctl-collator"
+            target=run_collator, args=(cfg.collator, self.inbox, self.events, self.ring), name="batchctl-collator"
         )
         self.collator.start()
         if tasks:
             self.pending = {task.index: task for task in tasks}
             self.pool = start_pool(
-                self.ctx, cfg.workers, cfg.preprocessor.name, cfg.options, cfg.source, self.inbox, self.slots
+                self.ctx,
+                cfg.workers,
+                cfg.preprocessor.name,
+                cfg.options,
+                cfg.source,
+                self.inbox,
+                self.slots,
+                self.ring,
             )
             exit_codes(self.pool, self.seen_workers)
             pool_queues = (self.pool._inqueue, self.pool._outqueue, self.pool._change_notifier)

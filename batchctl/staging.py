@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from batchctl import storage
+from batchctl import ring, storage
 from batchctl.errors import LockedError, UsageError
 
 RENAME_EXCHANGE = 2
@@ -234,8 +234,12 @@ def rewrite_journal(paths: BuildPaths, shards: list[dict[str, Any]]) -> None:
         os.fsync(journal.fileno())
 
 
+SHM_MARK = "shm:"  # a listed name that is a shared-memory segment (the sample ring), not a semaphore
+
+
 def record_semaphores(paths: BuildPaths, names: list[str]) -> None:
-    """Note the POSIX semaphores this build's queues and locks use (files in /dev/shm).
+    """Note the POSIX semaphores this build's queues and locks use, and its sample ring (files in
+    /dev/shm).
 
     multiprocessing unlinks them when the build ends, or its resource tracker does when the build
     dies; a SIGKILL of the whole process group kills the tracker too and leaves them behind, so
@@ -252,6 +256,9 @@ def sweep_semaphores(paths: BuildPaths) -> None:
     except OSError:
         return
     for name in names:
+        if name.startswith(SHM_MARK):
+            ring.unlink_segment(name.removeprefix(SHM_MARK))
+            continue
         with contextlib.suppress(OSError):
             _multiprocessing.sem_unlink(name)
     paths.semaphores.unlink(missing_ok=True)

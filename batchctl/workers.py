@@ -1,8 +1,9 @@
 """Preprocessing workers: the pool, bounded dispatch, and the task that runs in each worker.
 
-Workers hand their samples straight to the collator's queue and return only a small
-`TaskResult` to the parent, so sample arrays are pickled once, not twice, and a slow collator
-slows the workers down instead of filling memory (a put blocks on the full pipe). No exception
+Workers hand their samples straight to the collator, through their slot of the shared-memory
+ring (`batchctl.ring`) with a small message on the collator's queue, and return only a small
+`TaskResult` to the parent, so sample arrays are never pickled, and a slow collator slows the
+workers down instead of filling memory (a worker waits for its slot to be free). No exception
 crosses the pool: a failing file becomes a `TaskResult` with its error text.
 """
 
@@ -17,6 +18,7 @@ import time
 from collections import deque
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from multiprocessing import forkserver
 from multiprocessing.context import BaseContext, ForkServerContext
 from multiprocessing.pool import Pool
 from multiprocessing.queues import SimpleQueue
@@ -27,6 +29,8 @@ import numpy as np
 
 from batchctl.discover import WorkItem
 from batchctl.preprocess import Preprocessor, resolve
+from batchctl.ring import SampleRing
+from batchctl.staging import signals_ignored
 from batchctl.storage import SourceRoot
 
 
@@ -77,6 +81,15 @@ def mp_context() -> ForkServerContext:
     return ctx
 
 
+def start_forkserver() -> None:
+    """Start the fork server with SIGINT ignored, a disposition it inherits: a Ctrl-C reaching
+    the process group while it imports its preloads would otherwise print a KeyboardInterrupt
+    traceback from it (its own code ignores SIGINT only once the imports are done). The parent
+    ignores signals only for the few milliseconds of the spawn."""
+    with signals_ignored():
+        forkserver.ensure_running()
+
+
 def init_child(title: str) -> None:
     """Children leave SIGINT to the parent (Ctrl-C hits the whole process group), die on SIGTERM,
     and name themselves so `ps`/`top` show what they are."""
@@ -91,49 +104,61 @@ class WorkerSlots:
 
     A worker killed by the kernel takes its task with it and a plain Pool never says which; this
     table lets the parent name the lost file (and kill a worker stuck past --timeout).
-    Each slot holds (pid, task index or -1, start time in ms of CLOCK_MONOTONIC).
+    Each slot holds (pid, task index or -1, start time in ms of CLOCK_MONOTONIC, ring retired):
+    slot k also owns ring slot k (`SampleRing`), retired once a holder of slot k has died.
     """
+
+    FIELDS = 4
 
     def __init__(self, ctx: BaseContext, count: int) -> None:
         self.count = count
         self.lock = ctx.Lock()
-        self.table = ctx.Array("q", count * 3, lock=False)
+        self.table = ctx.Array("q", count * self.FIELDS, lock=False)
+
+    def _row(self, slot: int) -> list[int]:
+        return list(self.table[slot * self.FIELDS : (slot + 1) * self.FIELDS])
 
     def claim(self, pid: int) -> int:
+        """A free slot, one whose ring slot is still usable if there is one."""
         with self.lock:
-            for slot in range(self.count):
-                if self.table[slot * 3] == 0:
-                    self.table[slot * 3 : slot * 3 + 3] = [pid, -1, 0]
-                    return slot
-        return -1
+            free = [slot for slot in range(self.count) if self._row(slot)[0] == 0]
+            if not free:
+                return -1
+            slot = min(free, key=lambda slot: self._row(slot)[3])
+            self.table[slot * self.FIELDS : slot * self.FIELDS + 3] = [pid, -1, 0]
+            return slot
 
     def begin(self, slot: int, task_index: int) -> None:
         if slot >= 0:
-            self.table[slot * 3 + 2] = _now_ms()
-            self.table[slot * 3 + 1] = task_index
+            self.table[slot * self.FIELDS + 2] = _now_ms()
+            self.table[slot * self.FIELDS + 1] = task_index
 
     def end(self, slot: int) -> None:
         if slot >= 0:
-            self.table[slot * 3 + 1] = -1
+            self.table[slot * self.FIELDS + 1] = -1
+
+    def ring_usable(self, slot: int) -> bool:
+        return slot >= 0 and self.table[slot * self.FIELDS + 3] == 0
 
     def running(self) -> list[tuple[int, int, float]]:
         """(pid, task index, seconds running) of every busy worker."""
         now = _now_ms()
-        rows = [tuple(self.table[slot * 3 : slot * 3 + 3]) for slot in range(self.count)]
-        return [(pid, index, (now - start) / 1000) for pid, index, start in rows if pid and index >= 0]
+        rows = [self._row(slot) for slot in range(self.count)]
+        return [(pid, index, (now - start) / 1000) for pid, index, start, _ in rows if pid and index >= 0]
 
     def vanished(self) -> list[int]:
         """Pids of slot holders that no longer exist (killed, and reaped by the pool)."""
-        pids = [self.table[slot * 3] for slot in range(self.count)]
+        pids = [self._row(slot)[0] for slot in range(self.count)]
         return [pid for pid in pids if pid and not _alive(pid)]
 
     def release(self, pid: int) -> int:
-        """Free the slot of a dead worker; the task index it was running, or -1."""
+        """Free the slot of a dead worker and retire its ring slot (it may have died holding it);
+        the task index it was running, or -1."""
         with self.lock:
             for slot in range(self.count):
-                if self.table[slot * 3] == pid:
-                    index = self.table[slot * 3 + 1]
-                    self.table[slot * 3 : slot * 3 + 3] = [0, -1, 0]
+                if self._row(slot)[0] == pid:
+                    index = self._row(slot)[1]
+                    self.table[slot * self.FIELDS : (slot + 1) * self.FIELDS] = [0, -1, 0, 1]
                     return int(index)
         return -1
 
@@ -160,10 +185,15 @@ _worker: dict[str, Any] = {}
 
 
 def init_worker(
-    preprocess: str, options: Mapping[str, Any], source: SourceRoot, outbox: SimpleQueue[Any], slots: WorkerSlots
+    preprocess: str,
+    options: Mapping[str, Any],
+    source: SourceRoot,
+    outbox: SimpleQueue[Any],
+    slots: WorkerSlots,
+    ring: SampleRing | None,
 ) -> None:
     init_child("batchctl-worker")
-    _worker.update(slots=slots, slot=slots.claim(os.getpid()))
+    _worker.update(slots=slots, slot=slots.claim(os.getpid()), ring=ring)
     _worker.update(preprocessor=resolve(preprocess), options=dict(options), source=source, outbox=outbox)
 
 
@@ -191,10 +221,18 @@ def run_chunk(tasks: list[Task]) -> list[TaskResult]:
             if output is not None:
                 outputs.append(output)
         if outputs:
-            _worker["outbox"].put(merge_outputs(outputs))
+            _send(merge_outputs(outputs))
     finally:
         slots.end(_worker["slot"])
     return results
+
+
+def _send(outputs: list[TaskOutput]) -> None:
+    """Through this worker's ring slot where it can, else pickled through the pipe."""
+    ring: SampleRing | None = _worker["ring"]
+    slot = _worker["slot"]
+    message = ring.put(slot, outputs) if ring is not None and _worker["slots"].ring_usable(slot) else None
+    _worker["outbox"].put(outputs if message is None else message)
 
 
 def merge_outputs(outputs: list[TaskOutput]) -> list[TaskOutput]:
@@ -312,8 +350,9 @@ def start_pool(
     source: SourceRoot,
     outbox: SimpleQueue[Any],
     slots: WorkerSlots,
+    ring: SampleRing | None,
 ) -> Pool:
-    return ctx.Pool(workers, initializer=init_worker, initargs=(preprocess, options, source, outbox, slots))
+    return ctx.Pool(workers, initializer=init_worker, initargs=(preprocess, options, source, outbox, slots, ring))
 
 
 def exit_codes(pool: Pool, seen: dict[int, Any]) -> None:

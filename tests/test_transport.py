@@ -1,0 +1,91 @@
+"""The machinery between the stages: the shared-memory sample ring and batchctl's own shard encoder."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zarr
+
+from batchctl import format as fmt
+from batchctl.discover import WorkItem
+from batchctl.ring import SampleRing
+from batchctl.workers import Task, TaskOutput, WorkerSlots, mp_context
+
+
+def output(rows: int, seed: int, name: str = "x") -> TaskOutput:
+    rng = np.random.default_rng(seed)
+    task = Task(seed, WorkItem(f"f{seed}.npy", 0, 1, 0))
+    return TaskOutput([(task, rows)], {name: rng.random((rows, 3, 5), dtype=np.float32), "n": np.arange(rows)})
+
+
+@pytest.fixture
+def ring() -> Iterator[SampleRing]:
+    made = SampleRing.create(mp_context(), 3)
+    if made is None:
+        pytest.skip("no room in /dev/shm")
+    yield made
+    made.unlink()
+    assert not Path(f"/dev/shm/{made.name}").exists()
+
+
+def test_ring_carries_outputs_exactly(ring: SampleRing) -> None:
+    sent = [output(7, 1), output(2, 2, name="y")]
+    message = ring.put(1, sent)
+    assert message is not None and message.slot == 1
+    received = ring.outputs(message)
+    assert [out.parts for out in received] == [out.parts for out in sent]
+    for got, want in zip(received, sent, strict=True):
+        assert got.columns.keys() == want.columns.keys()
+        for name in want.columns:
+            assert got.columns[name].dtype == want.columns[name].dtype
+            assert np.array_equal(got.columns[name], want.columns[name])
+    del received, got
+    ring.release(message)
+    assert ring.put(1, [output(3, 3)]) is not None  # the slot is free again
+
+
+def test_ring_refuses_what_does_not_fit(ring: SampleRing) -> None:
+    big = TaskOutput([(Task(0, WorkItem("big", 0, 1, 0)), 1)], {"x": np.zeros(ring.slot_bytes + 1, np.uint8)})
+    assert ring.put(0, [big]) is None
+    objects = TaskOutput([(Task(0, WorkItem("o", 0, 1, 0)), 1)], {"x": np.array([{"a": 1}], dtype=object)})
+    assert ring.put(0, [objects]) is None
+
+
+def test_a_dead_workers_ring_slot_is_retired() -> None:
+    slots = WorkerSlots(mp_context(), 2)
+    first = slots.claim(111)
+    assert slots.ring_usable(first)
+    slots.begin(first, 5)
+    assert slots.release(111) == 5
+    assert not slots.ring_usable(first)  # it may have died holding its ring slot
+    assert slots.claim(222) != first  # a fresh worker gets a usable slot while there is one
+    assert slots.claim(333) == first and not slots.ring_usable(first)  # then the retired one: the pipe
+
+
+@pytest.mark.parametrize("compression", fmt.COMPRESSIONS)
+def test_shards_written_by_batchctl_read_back_in_zarr(tmp_path: Path, compression: str) -> None:
+    group = zarr.open_group(tmp_path / "d.zarr", mode="w")
+    schema = {"x": fmt.FieldSpec((3, 5), "float32"), "y": fmt.FieldSpec((), "uint8")}
+    layout = fmt.Layout(batch_size=4, shard_batches=3)
+    arrays = fmt.create_arrays(group, schema, layout, compression, labelled=True)
+    rng = np.random.default_rng(0)
+    rows = 2 * layout.shard_rows + 7  # a short last shard with a short last chunk
+    columns = {
+        "x": rng.random((rows, 3, 5), dtype=np.float32),
+        "y": rng.integers(0, 255, rows).astype(np.uint8),
+        fmt.LABEL: rng.integers(0, 3, rows),
+        fmt.SOURCE_INDEX: np.arange(rows) * 3,
+        fmt.SOURCE: np.array([f"s{i}" for i in range(rows)], dtype=object),
+    }
+    for shard in range(3):
+        part = slice(shard * layout.shard_rows, (shard + 1) * layout.shard_rows)
+        fmt.write_shard(arrays, layout, shard, {name: column[part] for name, column in columns.items()})
+    reopened = zarr.open_group(tmp_path / "d.zarr", mode="r")
+    for name, column in columns.items():
+        assert np.array_equal(reopened[name][:], column), name
+    reader = fmt.ChunkReader.for_array(tmp_path / "d.zarr", reopened["x"])
+    assert reader is not None
+    assert np.array_equal(reader.read(6)[:3], columns["x"][24:27])
