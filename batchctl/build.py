@@ -44,7 +44,7 @@ class BuildOptions:
     preprocess_options: Mapping[str, Any] = field(default_factory=dict)
     seed: int | None = None
     shard_batches: int | None = None
-    compression: str = "zstd"
+    compression: str = "auto"
     max_errors: int | None = None
     resume: bool = True
     force: bool = False

@@ -188,10 +188,10 @@ class DaskRun:
         self.workers_seen: set[str] = set()
 
     def run(self, tasks: list[Task]) -> Any:
-        schema = self._probe_schema(tasks)
+        schema, rows = self._probe_schema(tasks)
         client, cluster = self._client()
         try:
-            return self._run(tasks, schema, client)
+            return self._run(tasks, schema, rows, client)
         finally:
             client.close()
             if cluster is not None:
@@ -207,13 +207,15 @@ class DaskRun:
         spread = max(fmt.MIN_SHARD_BATCHES, -(-batches // (4 * threads)))
         return min(fmt.default_shard_batches(self.options.batch_size, schema), spread)
 
-    def _run(self, tasks: list[Task], schema: dict[str, fmt.FieldSpec], client: Any) -> Any:
+    def _run(
+        self, tasks: list[Task], schema: dict[str, fmt.FieldSpec], rows: dict[str, np.ndarray], client: Any
+    ) -> Any:
         from batchctl.collate import Finished
 
         shard_batches = self._shard_batches(tasks, schema, client)
         layout = fmt.Layout(self.options.batch_size, shard_batches)
         groups = plan_groups(tasks, layout.shard_rows, _expected_rows)
-        arrays = fmt.create_arrays(self.group, schema, layout, self.options.compression, self.labelled)
+        arrays = fmt.create_arrays(self.group, schema, layout, self.options.compression, self.labelled, rows)
         for arr in arrays.values():  # sized for every group's shard up front: tasks write no metadata
             arr.resize((len(groups) * layout.shard_rows, *arr.shape[1:]))
         spill_dir = f"{self.paths.workdir_url}/spill"
@@ -245,14 +247,15 @@ class DaskRun:
             {name: spec.to_json() for name, spec in schema.items()},
         )
 
-    def _probe_schema(self, tasks: list[Task]) -> dict[str, fmt.FieldSpec]:
-        """The schema of the first file that preprocesses, here in the client (one file's work)."""
+    def _probe_schema(self, tasks: list[Task]) -> tuple[dict[str, fmt.FieldSpec], dict[str, np.ndarray]]:
+        """The schema and rows of the first file that preprocesses, here in the client (one file's
+        work; `auto` compression measures the rows)."""
         for task in tasks:
             _, output = preprocess_task(task, self.builder.preprocessor, self.builder.pp_options, self.source)
             if output is not None:
                 first = {name: column[0] for name, column in output.columns.items()}
                 if check_schema({name: fmt.FieldSpec.of(v) for name, v in first.items()}, first) is None:
-                    return {name: fmt.FieldSpec.of(value) for name, value in first.items()}
+                    return {name: fmt.FieldSpec.of(value) for name, value in first.items()}, output.columns
         from batchctl.errors import BuildFailed
 
         raise BuildFailed(f"no samples were produced: all {len(tasks)} files were skipped", self.builder.report)

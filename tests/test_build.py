@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ import zarr
 from PIL import Image
 
 import batchctl
+from batchctl import format as fmt
 from tests.conftest import run_cli
 from tests.reference import mean_abs_diff, torchvision_reference
 
@@ -163,22 +165,42 @@ def test_seed_makes_the_dispatch_order_repeatable(image_folder: Path, tmp_path: 
     assert sorted(seed1) == sorted(unseeded)
 
 
-@pytest.mark.parametrize("compression", ["blosc", "none"])
-def test_other_compressions_carry_a_checksum(image_folder: Path, tmp_path: Path, compression: str) -> None:
+def last_codec(out: Path, name: str) -> dict[str, Any]:
+    codecs: list[dict[str, Any]] = json.loads((out / name / "zarr.json").read_text())["codecs"][0]["configuration"][
+        "codecs"
+    ]
+    return codecs[-1]
+
+
+@pytest.mark.parametrize(("compression", "last"), [("zstd", "zstd"), ("blosc", "crc32c"), ("none", "crc32c")])
+def test_every_compression_checksums_every_chunk(
+    image_folder: Path, tmp_path: Path, compression: str, last: str
+) -> None:
     out = tmp_path / "c.zarr"
     result = run_cli(
         "build", image_folder / "fish", "-o", out, "--compression", compression, "--crop", "16", "--resize", "16"
     )
     assert result.returncode == 0, result.stderr
-    codecs = json.loads((out / "image" / "zarr.json").read_text())["codecs"][0]["configuration"]["codecs"]
-    assert codecs[-1]["name"] == "crc32c"
+    assert last_codec(out, "image")["name"] == last
+    if last == "zstd":
+        assert last_codec(out, "image")["configuration"] == {"level": 1, "checksum": True}
     assert batchctl.open(out).num_samples == 20
 
 
-def test_default_zstd_checksums_every_chunk(built: tuple) -> None:
+def test_auto_compresses_only_what_shrinks(built: tuple, tmp_path: Path) -> None:
     out, _, _ = built
-    codecs = json.loads((out / "image" / "zarr.json").read_text())["codecs"][0]["configuration"]["codecs"]
-    assert codecs[-1] == {"name": "zstd", "configuration": {"level": 1, "checksum": True}}
+    assert last_codec(out, "image")["name"] == "crc32c"  # photo-like pixels shrink ~10%: stored raw, checksummed
+    assert last_codec(out, fmt.SOURCE_INDEX)["name"] == "zstd" and last_codec(out, fmt.LABEL)["name"] == "zstd"
+    src = tmp_path / "steps"
+    src.mkdir()
+    for i in range(10):
+        np.save(src / f"{i}.npy", np.full(1000, i, dtype=np.int32))
+    steps = tmp_path / "steps.zarr"
+    result = run_cli("build", src, "-o", steps, "--preprocess", "npy", "--batch-size", "4")
+    assert result.returncode == 0, result.stderr
+    assert last_codec(steps, "array")["name"] == "zstd"
+    rows = [row for batch in batchctl.open(steps).iter_batches() for row in batch["array"]]
+    assert sorted(int(row[0]) for row in rows) == list(range(10)) and all(len(set(row)) == 1 for row in rows)
 
 
 @pytest.mark.parametrize(
