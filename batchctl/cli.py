@@ -7,6 +7,7 @@ Exit codes: 0 success (or up to date), 1 failed build or bad dataset, 2 usage er
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import Annotated, Any, NoReturn, Optional
@@ -15,6 +16,7 @@ import typer
 
 from batchctl import __version__
 from batchctl.errors import BatchctlError, BuildFailed, BuildInterrupted, UsageError
+from batchctl.processes import start_forkserver
 from batchctl.progress import ConsoleProgress
 from batchctl.report import BuildReport
 from batchctl.storage import parse_storage_options
@@ -104,7 +106,13 @@ def build(
     shard_batches: Annotated[
         Optional[int], typer.Option(help="Batches per shard file (default: about 128 MiB).", min=1)
     ] = None,
-    compression: Annotated[str, typer.Option(help="zstd, blosc or none (every chunk is checksummed).")] = "zstd",
+    compression: Annotated[
+        str,
+        typer.Option(
+            help="auto (zstd for the fields it shrinks by more than a fifth, else none), zstd, blosc or none; "
+            "every chunk is checksummed."
+        ),
+    ] = "auto",
     strict: Annotated[
         bool, typer.Option("--strict", help="Fail the build on any skipped file (= --max-errors 0).")
     ] = False,
@@ -158,6 +166,8 @@ def build(
         }
         pp_options.update({name: value for name, value in named.items() if value is not None})
         options["preprocess_options"] = pp_options
+        if engine == "local":
+            start_forkserver()  # now, so its imports run alongside ours (zarr, the build)
         from batchctl.build import build as run_build
 
         result = run_build(source, output, progress=progress, **options)
@@ -266,9 +276,19 @@ def _finish(result: BuildReport, report_path: Path | None, quiet: bool) -> None:
         typer.echo(result.summary(), err=True)
 
 
+class _Interrupted(BaseException):
+    """Ctrl-C outside a build; not a KeyboardInterrupt, which Click turns into "Aborted!", exit 1."""
+
+
+def _interrupted(signum: int, frame: object) -> None:
+    raise _Interrupted
+
+
 def run() -> None:
     """Console-script entry point."""
+    signal.signal(signal.SIGINT, _interrupted)
     try:
         app()
-    except KeyboardInterrupt:  # Ctrl-C outside a build (e.g. while parsing): no traceback
+    except (KeyboardInterrupt, _Interrupted):  # e.g. while parsing or starting: no traceback, exit 130
+        typer.echo("batchctl: interrupted.", err=True)
         sys.exit(130)

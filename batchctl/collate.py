@@ -20,9 +20,10 @@ import zarr
 from batchctl import format as fmt
 from batchctl import staging, storage
 from batchctl.preprocess import Sample
+from batchctl.processes import init_child
 from batchctl.ring import InRing, SampleRing
 from batchctl.staging import BuildPaths
-from batchctl.workers import TaskOutput, describe_error, init_child
+from batchctl.workers import TaskOutput, describe_error
 
 
 @dataclass(frozen=True)
@@ -126,12 +127,12 @@ class Collator:
         self.layout = fmt.Layout(self.config.batch_size, shard_rows // self.config.batch_size)
         self.shard = self._new_shard()
 
-    def _start(self, sample: Sample) -> None:
-        self.schema = {name: fmt.FieldSpec.of(value) for name, value in sample.items()}
+    def _start(self, rows: dict[str, np.ndarray]) -> None:
+        self.schema = {name: fmt.FieldSpec.of(column[0]) for name, column in rows.items()}
         shard_batches = self.config.shard_batches or fmt.default_shard_batches(self.config.batch_size, self.schema)
         self.layout = fmt.Layout(self.config.batch_size, shard_batches)
         self.arrays = fmt.create_arrays(
-            self.group, self.schema, self.layout, self.config.compression, self.config.labelled
+            self.group, self.schema, self.layout, self.config.compression, self.config.labelled, rows
         )
         self.shard = self._new_shard()
 
@@ -157,7 +158,7 @@ class Collator:
                 self.events.put(Rejected(task.item.relpath, reason, rows))
             return
         if self.schema is None:
-            self._start(first_row)
+            self._start(output.columns)
         assert self.schema is not None and self.layout is not None and self.shard is not None
         counts = [rows for _, rows in output.parts]
         source_index = np.concatenate([np.arange(t.first + t.skip, t.first + t.skip + n) for t, n in output.parts])

@@ -24,9 +24,10 @@ from typing import Any
 
 from batchctl.collate import CollatorConfig, Crashed, End, Event, Finished, Rejected, ShardWritten, run_collator
 from batchctl.preprocess import Preprocessor
+from batchctl.processes import mp_context, signals_ignored, start_forkserver
 from batchctl.progress import Progress
 from batchctl.ring import SampleRing
-from batchctl.staging import SHM_MARK, BuildPaths, record_semaphores, signals_ignored
+from batchctl.staging import SHM_MARK, BuildPaths, record_semaphores
 from batchctl.storage import SourceRoot
 from batchctl.workers import (
     BoundedFeed,
@@ -35,10 +36,9 @@ from batchctl.workers import (
     WorkerSlots,
     chunked,
     exit_codes,
-    mp_context,
     run_chunk,
-    start_forkserver,
     start_pool,
+    terminate_pool,
 )
 
 HEALTH_CHECK_S = 1.0  # how long a blocking wait lasts before the children are checked on
@@ -74,6 +74,32 @@ def signals_raise() -> Iterator[None]:
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+@contextmanager
+def signals_deferred() -> Iterator[None]:
+    """SIGINT and SIGTERM held back until the block ends, then raised as `Signalled`: a child
+    being started must be known to `_abort` before the parent unwinds, or it outlives the parent's
+    semaphores and prints a traceback unpickling them (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+
+    def hold(signum: int, frame: object) -> None:
+        caught.append(signum)
+
+    previous = {sig: signal.signal(sig, hold) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    except Exception:
+        if not caught:  # else the failure is the signal's doing (the group's SIGTERM killed the fork server)
+            raise
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+    if caught:
+        raise Signalled(caught[0])
 
 
 @dataclass
@@ -136,22 +162,24 @@ class Pipeline:
     def _run(self, tasks: list[Task]) -> Finished:
         cfg = self.config
         start_forkserver()
-        self.collator = self.ctx.Process(
-            target=run_collator, args=(cfg.collator, self.inbox, self.events, self.ring), name="batchctl-collator"
-        )
-        self.collator.start()
+        with signals_deferred():
+            self.collator = self.ctx.Process(
+                target=run_collator, args=(cfg.collator, self.inbox, self.events, self.ring), name="batchctl-collator"
+            )
+            self.collator.start()
         if tasks:
             self.pending = {task.index: task for task in tasks}
-            self.pool = start_pool(
-                self.ctx,
-                cfg.workers,
-                cfg.preprocessor.name,
-                cfg.options,
-                cfg.source,
-                self.inbox,
-                self.slots,
-                self.ring,
-            )
+            with signals_deferred():
+                self.pool = start_pool(
+                    self.ctx,
+                    cfg.workers,
+                    cfg.preprocessor.name,
+                    cfg.options,
+                    cfg.source,
+                    self.inbox,
+                    self.slots,
+                    self.ring,
+                )
             exit_codes(self.pool, self.seen_workers)
             pool_queues = (self.pool._inqueue, self.pool._outqueue, self.pool._change_notifier)
             record_semaphores(cfg.paths, semaphore_names(*pool_queues))
@@ -172,7 +200,7 @@ class Pipeline:
         finished = self._wait_finished()
         if self.pool is not None:
             if self.lost_workers:  # the pool still counts the lost tasks and would wait for them
-                self.pool.terminate()
+                terminate_pool(self.pool)
             else:
                 self.pool.close()
             self.pool.join()
@@ -269,7 +297,7 @@ class Pipeline:
             if self.feed is not None:
                 self.feed.stop()
             if self.pool is not None:
-                self.pool.terminate()
+                terminate_pool(self.pool)
             if self.collator is not None and self.collator.is_alive():
                 self.collator.terminate()
                 self.collator.join(5)

@@ -17,15 +17,14 @@ import hashlib
 import json
 import os
 import shutil
-import signal
-import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from batchctl import ring, storage
 from batchctl.errors import LockedError, UsageError
+from batchctl.processes import signals_ignored
 
 RENAME_EXCHANGE = 2
 
@@ -315,20 +314,6 @@ def move_into_place(paths: BuildPaths) -> None:
         _fsync_dir(paths.output.parent)
         paths.state.unlink(missing_ok=True)
     discard(paths)
-
-
-@contextlib.contextmanager
-def signals_ignored() -> Iterator[None]:
-    """SIGINT and SIGTERM ignored for the duration (only the main thread may set handlers)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
 
 
 def _fsync_dir(directory: Path) -> None:

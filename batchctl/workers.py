@@ -10,16 +10,13 @@ crosses the pool: a failing file becomes a `TaskResult` with its error text.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
-import signal
 import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from multiprocessing import forkserver
-from multiprocessing.context import BaseContext, ForkServerContext
+from multiprocessing.context import BaseContext
 from multiprocessing.pool import Pool
 from multiprocessing.queues import SimpleQueue
 from pathlib import Path
@@ -29,8 +26,8 @@ import numpy as np
 
 from batchctl.discover import WorkItem
 from batchctl.preprocess import Preprocessor, resolve
+from batchctl.processes import init_child
 from batchctl.ring import SampleRing
-from batchctl.staging import signals_ignored
 from batchctl.storage import SourceRoot
 
 
@@ -70,33 +67,6 @@ class TaskResult:
     task: Task
     samples: int
     error: str | None = None
-
-
-def mp_context() -> ForkServerContext:
-    """forkserver, not fork: the parent may already run zarr's event-loop thread and tqdm's
-    monitor thread, and forking a process with live threads can deadlock the child. Workers are
-    forked from a clean server process that preloaded the heavy imports, so they start fast."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["batchctl.workers", "batchctl.collate", "numpy", "PIL.Image"])
-    return ctx
-
-
-def start_forkserver() -> None:
-    """Start the fork server with SIGINT ignored, a disposition it inherits: a Ctrl-C reaching
-    the process group while it imports its preloads would otherwise print a KeyboardInterrupt
-    traceback from it (its own code ignores SIGINT only once the imports are done). The parent
-    ignores signals only for the few milliseconds of the spawn."""
-    with signals_ignored():
-        forkserver.ensure_running()
-
-
-def init_child(title: str) -> None:
-    """Children leave SIGINT to the parent (Ctrl-C hits the whole process group), die on SIGTERM,
-    and name themselves so `ps`/`top` show what they are."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    with contextlib.suppress(OSError):
-        Path("/proc/self/comm").write_text(title[:15])
 
 
 class WorkerSlots:
@@ -353,6 +323,32 @@ def start_pool(
     ring: SampleRing | None,
 ) -> Pool:
     return ctx.Pool(workers, initializer=init_worker, initargs=(preprocess, options, source, outbox, slots, ring))
+
+
+def terminate_pool(pool: Pool) -> None:
+    """`Pool.terminate()`, safe when a worker died holding one of the pool's queue locks.
+
+    terminate() takes the task queue's read lock and the result queue's write lock; a worker
+    killed while it held one (by the group's SIGTERM, the OOM killer, --timeout) leaves it taken
+    for ever, and terminate() would wait for ever. So every worker is killed first; a lock still
+    taken after that belongs to a dead process and is released for it. Queued data is dropped.
+    """
+    workers = list(pool._pool)  # type: ignore[attr-defined]
+    for proc in workers:
+        with contextlib.suppress(OSError, ValueError):
+            proc.kill()
+    for proc in workers:
+        proc.join(LOCK_WAIT_S)
+    for lock in (pool._inqueue._rlock, pool._outqueue._wlock):  # type: ignore[attr-defined]
+        if lock.acquire(timeout=LOCK_WAIT_S):
+            lock.release()
+        else:
+            with contextlib.suppress(ValueError):
+                lock.release()
+    pool.terminate()
+
+
+LOCK_WAIT_S = 0.5
 
 
 def exit_codes(pool: Pool, seen: dict[int, Any]) -> None:

@@ -11,8 +11,9 @@ import zarr
 
 from batchctl import format as fmt
 from batchctl.discover import WorkItem
+from batchctl.processes import mp_context
 from batchctl.ring import SampleRing
-from batchctl.workers import Task, TaskOutput, WorkerSlots, mp_context
+from batchctl.workers import Task, TaskOutput, WorkerSlots
 
 
 def output(rows: int, seed: int, name: str = "x") -> TaskOutput:
