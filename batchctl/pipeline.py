@@ -31,6 +31,7 @@ from batchctl.staging import SHM_MARK, BuildPaths, record_semaphores
 from batchctl.storage import SourceRoot
 from batchctl.workers import (
     BoundedFeed,
+    Done,
     Task,
     TaskResult,
     WorkerSlots,
@@ -191,9 +192,10 @@ class Pipeline:
                 chunk_results = self._next_results(results)
                 if chunk_results is not None:
                     self.feed.consumed()
-                    for result in chunk_results:
-                        if self.pending.pop(result.task.index, None) is not None:
-                            self._done(result)
+                    for index, samples, error in chunk_results:
+                        task = self.pending.pop(index, None)
+                        if task is not None:
+                            self._done(TaskResult(task, samples, error))
                 self._drain_events()
             self.feed.stop()
         self.inbox.put(End())  # after every worker's output: puts are complete when results return
@@ -210,13 +212,13 @@ class Pipeline:
         self.progress.file_done()
         self.on_result(result)
 
-    def _next_results(self, results: Any) -> list[TaskResult] | None:
+    def _next_results(self, results: Any) -> list[Done] | None:
         """The results of the next chunk, or None after a lost task was accounted for instead."""
         while True:
             if time.monotonic() - self.last_check >= HEALTH_CHECK_S and self._check_children():
                 return None
             try:
-                chunk_results: list[TaskResult] = results.next(timeout=HEALTH_CHECK_S)
+                chunk_results: list[Done] = results.next(timeout=HEALTH_CHECK_S)
                 return chunk_results
             except mp.TimeoutError:
                 self._drain_events()
