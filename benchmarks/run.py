@@ -49,7 +49,9 @@ def tree_rss(pid: int) -> int:
 
 
 def run_measured(cmd: list[str]) -> tuple[float, int, subprocess.CompletedProcess[str]]:
-    """Wall time and peak tree RSS of a command."""
+    """Wall time and peak tree RSS of a command; each starts with no dirty pages left by the one
+    before (its writeback would otherwise slow the next run: 2 workers measured 0.6x of 1)."""
+    os.sync()
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     peak = 0
@@ -235,10 +237,29 @@ def split_file_speedup(root: Path, name: str, make: Any, size: int, args: tuple[
         fixed, _, _ = run_measured(batchctl_cmd(small, root / f"{name}{workers}s.zarr", workers, *args))
         result["samples_per_s"][str(workers)] = round(size * unit / elapsed, 1)
         result["net_seconds"][str(workers)] = round(max(elapsed - fixed, 1e-3), 2)
+    result["output_bytes"] = du(root / f"{name}1.zarr")
+    result["disk_write_s"] = round(disk_write_seconds(root, result["output_bytes"]), 2)
     end_to_end = result["samples_per_s"][str(CORES)] / result["samples_per_s"]["1"]
     result["speedup"] = round(end_to_end, 2)
     result["net_speedup"] = round(result["net_seconds"]["1"] / result["net_seconds"][str(CORES)], 2)
     return result
+
+
+def disk_write_seconds(root: Path, nbytes: int) -> float:
+    """Writing `nbytes` to one file and fsyncing it, 16 MiB at a time: the disk's own limit on a
+    build that writes that much, whatever the number of workers."""
+    block = np.random.default_rng(0).integers(0, 256, 16 * 2**20, dtype=np.uint8).tobytes()
+    path = root / "disk-write.bin"
+    os.sync()
+    start = time.perf_counter()
+    with path.open("wb") as out:
+        for _ in range(max(1, nbytes // len(block))):
+            out.write(block)
+        out.flush()
+        os.fsync(out.fileno())
+    elapsed = time.perf_counter() - start
+    path.unlink()
+    return elapsed
 
 
 def _make_npy(folder: Path, rows: int) -> None:
