@@ -132,13 +132,20 @@ class SourceRoot:
     root: str
     storage_options: Mapping[str, Any] = field(default_factory=dict)
 
-    @contextlib.contextmanager
-    def local_file(self, relpath: str) -> Iterator[Path]:
+    @functools.cached_property
+    def folder(self) -> Path | None:
+        """The local folder, or None for a URL."""
+        return None if is_url(self.root) else Path(self.root)
+
+    def local_file(self, relpath: str) -> contextlib.AbstractContextManager[Path]:
         """A local path holding `relpath`: the file itself, or a temporary copy of the object
         (preprocessors and plugins take paths), removed once the file is preprocessed."""
-        if not is_url(self.root):
-            yield Path(self.root) / relpath
-            return
+        if self.folder is not None:  # checked once per source, not per file (tiny files count)
+            return contextlib.nullcontext(self.folder / relpath)
+        return self._fetched(relpath)
+
+    @contextlib.contextmanager
+    def _fetched(self, relpath: str) -> Iterator[Path]:
         fs = filesystem(self.root, self.storage_options)
         with tempfile.NamedTemporaryFile(prefix="batchctl-", suffix=PurePosixPath(relpath).suffix) as copy:
             fs.get_file(f"{fs_path(self.root)}/{relpath}", copy.name)

@@ -248,7 +248,8 @@ def preprocess_task(
     except Exception as exc:  # noqa: BLE001 - any failure of one file is that file's error
         reason = describe_error(exc).replace(f" '{path}'", "").replace(str(path), task.item.relpath)
         return TaskResult(task, 0, reason), None
-    columns = {name: column[task.skip :] for name, column in columns.items()}
+    if task.skip:
+        columns = {name: column[task.skip :] for name, column in columns.items()}
     output = TaskOutput([(task, len(next(iter(columns.values()))))], columns)
     if output.rows == 0:  # an interrupted run already wrote all of it
         return TaskResult(task, 0), None

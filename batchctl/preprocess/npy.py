@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import functools
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +29,9 @@ def load_array(path: Path, key: str | None = None) -> np.ndarray:
             if key not in names:
                 raise KeyError(f"no array {key!r} in the archive (it holds {', '.join(names)})")
             return archive[key]
-    if path.stat().st_size < MMAP_BYTES:
-        return read_small_npy(path.read_bytes())
+    with open(path, "rb") as file:  # one open for the size and the bytes: tiny files count
+        if os.fstat(file.fileno()).st_size < MMAP_BYTES:
+            return read_small_npy(file.read())
     return np.load(path, mmap_mode="r", allow_pickle=False)
 
 
