@@ -111,8 +111,9 @@ class Dataset:
             yield from (self[i] for i in order)
             return
         # One thread per batch read ahead (up to the cores): preadv, crc32c and zstd release the GIL,
-        # so one batch's read overlaps another's checksum or decoding and the caller's step. Two
-        # threads read 0.9-1.2x of np.load's rate here, one thread 0.45-0.7x (benchmarks/read.py).
+        # so one batch's read overlaps another's checksum or decoding and the caller's step. Side by
+        # side on 2 cores, two threads read 0.9-1.2x of np.load's rate, one thread 0.45-0.7x;
+        # benchmarks/read.py measures 84-90% of np.load with the default prefetch=2.
         threads = min(prefetch, len(os.sched_getaffinity(0)))  # prefetch >= 1 here
         with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="batchctl-read") as pool:
             pending: deque[Future[Batch]] = deque()
