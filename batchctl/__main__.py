@@ -1,13 +1,24 @@
 """`python -m batchctl` and the `batchctl` console script."""
 
+import signal
 import sys
+
+from batchctl.errors import Signalled
+
+
+def _raise_signalled(signum: int, frame: object) -> None:
+    raise Signalled(signum)
 
 
 def main() -> None:
+    # First of all, so that a SIGINT or SIGTERM at any moment ends the command through one path
+    # (exit 130/143, no traceback); the build turns it into an orderly stop of its processes.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _raise_signalled)
     try:
         from batchctl.cli import run
-    except KeyboardInterrupt:  # Ctrl-C while still importing: exit as interrupted, quietly
-        sys.exit(130)
+    except Signalled as sig:  # while still importing
+        sys.exit(128 + sig.signum)
     run()
 
 

@@ -18,9 +18,10 @@ from batchctl import __version__, staging, storage
 from batchctl import format as fmt
 from batchctl.collate import CollatorConfig, Finished, Rejected
 from batchctl.discover import Discovery, WorkItem, discover
-from batchctl.errors import BuildFailed, BuildInterrupted, FormatError, ResumeMismatchError, UsageError
-from batchctl.pipeline import Pipeline, PipelineConfig, PipelineError, Signalled, signals_raise
+from batchctl.errors import BuildFailed, BuildInterrupted, FormatError, ResumeMismatchError, Signalled, UsageError
+from batchctl.pipeline import Pipeline, PipelineConfig, PipelineError
 from batchctl.preprocess import Preprocessor, resolve
+from batchctl.processes import signals_raise, sweep_dead_builds
 from batchctl.progress import Progress
 from batchctl.report import BuildReport, FileError
 from batchctl.staging import BuildLock, BuildPaths
@@ -136,7 +137,8 @@ class _Builder:
                 raise
 
     def _run_locked(self) -> BuildReport:
-        staging.sweep_semaphores(self.paths)  # left by a build killed with its whole process group
+        sweep_dead_builds()  # what builds killed with their whole process group left in /dev/shm
+        staging.check_workdir(self.paths)
         discovery = discover(self.source, self.preprocessor.accepts, self.options.seed, self.options.storage_options)
         self.report.ignored = discovery.ignored
         fingerprint = discovery.fingerprint([self.spec, discovery.classes])

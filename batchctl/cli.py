@@ -15,7 +15,7 @@ from typing import Annotated, Any, NoReturn, Optional
 import typer
 
 from batchctl import __version__
-from batchctl.errors import BatchctlError, BuildFailed, BuildInterrupted, UsageError
+from batchctl.errors import BatchctlError, BuildFailed, BuildInterrupted, Signalled, UsageError
 from batchctl.processes import start_forkserver
 from batchctl.progress import ConsoleProgress
 from batchctl.report import BuildReport
@@ -276,19 +276,13 @@ def _finish(result: BuildReport, report_path: Path | None, quiet: bool) -> None:
         typer.echo(result.summary(), err=True)
 
 
-class _Interrupted(BaseException):
-    """Ctrl-C outside a build; not a KeyboardInterrupt, which Click turns into "Aborted!", exit 1."""
-
-
-def _interrupted(signum: int, frame: object) -> None:
-    raise _Interrupted
-
-
 def run() -> None:
-    """Console-script entry point."""
-    signal.signal(signal.SIGINT, _interrupted)
+    """Console-script entry point (`batchctl.__main__` has installed the signal handlers)."""
     try:
         app()
-    except (KeyboardInterrupt, _Interrupted):  # e.g. while parsing or starting: no traceback, exit 130
+    except Signalled as sig:  # e.g. while parsing or starting: no traceback, exit 130/143
         typer.echo("batchctl: interrupted.", err=True)
-        sys.exit(130)
+        sys.exit(128 + sig.signum)
+    finally:  # the command is over: a signal from now on must not raise inside interpreter exit
+        for stop in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(stop, signal.SIG_IGN)

@@ -8,6 +8,14 @@ if TYPE_CHECKING:
     from batchctl.report import BuildReport
 
 
+class Signalled(BaseException):
+    """SIGINT or SIGTERM reached the parent; a BaseException so no `except Exception` eats it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
 class BatchctlError(Exception):
     """Base of every error batchctl raises for a user's mistake or a failed build."""
 

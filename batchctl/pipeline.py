@@ -15,92 +15,27 @@ import multiprocessing as mp
 import os
 import queue
 import signal
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from batchctl.collate import CollatorConfig, Crashed, End, Event, Finished, Rejected, ShardWritten, run_collator
+from batchctl.mpinternals import name_semaphores_after, pool_workers, shut_down_pool
 from batchctl.preprocess import Preprocessor
-from batchctl.processes import mp_context, signals_ignored, start_forkserver
+from batchctl.processes import mp_context, signals_deferred, signals_ignored, start_forkserver
 from batchctl.progress import Progress
 from batchctl.ring import SampleRing
-from batchctl.staging import SHM_MARK, BuildPaths, record_semaphores
+from batchctl.staging import BuildPaths
 from batchctl.storage import SourceRoot
-from batchctl.workers import (
-    BoundedFeed,
-    Done,
-    Task,
-    TaskResult,
-    WorkerSlots,
-    chunked,
-    exit_codes,
-    run_chunk,
-    start_pool,
-    terminate_pool,
-)
+from batchctl.workers import BoundedFeed, Done, Task, TaskResult, WorkerSlots, chunked, run_chunk, start_pool
 
 HEALTH_CHECK_S = 1.0  # how long a blocking wait lasts before the children are checked on
 CHUNKS_PER_WORKER = 3  # chunks in flight per worker: enough to keep it busy, few enough to stay small
 
 
-class Signalled(BaseException):
-    """Raised in the main thread by SIGINT/SIGTERM; a BaseException so no `except Exception` eats it."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
 class PipelineError(Exception):
     """A fatal problem: a child died, the collator failed, too many errors."""
-
-
-@contextmanager
-def signals_raise() -> Iterator[None]:
-    """Turn SIGINT and SIGTERM into `Signalled` for the duration (main thread only)."""
-
-    def handler(signum: int, frame: object) -> None:
-        raise Signalled(signum)
-
-    if threading.current_thread() is not threading.main_thread():  # build() called from a thread
-        yield
-        return
-
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
-
-
-@contextmanager
-def signals_deferred() -> Iterator[None]:
-    """SIGINT and SIGTERM held back until the block ends, then raised as `Signalled`: a child
-    being started must be known to `_abort` before the parent unwinds, or it outlives the parent's
-    semaphores and prints a traceback unpickling them (main thread only)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    caught: list[int] = []
-
-    def hold(signum: int, frame: object) -> None:
-        caught.append(signum)
-
-    previous = {sig: signal.signal(sig, hold) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    except Exception:
-        if not caught:  # else the failure is the signal's doing (the group's SIGTERM killed the fork server)
-            raise
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
-    if caught:
-        raise Signalled(caught[0])
 
 
 @dataclass
@@ -129,6 +64,7 @@ class Pipeline:
         self.on_result = on_result
         self.on_rejected = on_rejected
         self.ctx = mp_context()
+        name_semaphores_after(os.getpid())  # what a SIGKILL of the whole group leaves, a later build sweeps
         # A SimpleQueue writes in the caller's thread: when a worker's put returns, its samples
         # are in the pipe. (A Queue's feeder thread would still be writing when the worker starts
         # its next file; a worker killed then leaves a torn message and the write lock held.)
@@ -140,9 +76,6 @@ class Pipeline:
         self.feed: BoundedFeed | None = None
         self.slots = WorkerSlots(self.ctx, 2 * config.workers + 8)
         self.ring = SampleRing.create(self.ctx, self.slots.count)
-        record_semaphores(config.paths, semaphore_names(self.inbox, self.events, self.slots.lock))
-        if self.ring is not None:
-            record_semaphores(config.paths, [*semaphore_names(*self.ring.semaphores()), SHM_MARK + self.ring.name])
         self.pending: dict[int, Task] = {}
         self.chunk_of: dict[int, list[Task]] = {}
         self.seen_workers: dict[int, Any] = {}
@@ -158,7 +91,7 @@ class Pipeline:
             raise
         finally:  # every child is gone by now
             if self.ring is not None:
-                self.ring.unlink()
+                self.ring.close()
 
     def _run(self, tasks: list[Task]) -> Finished:
         cfg = self.config
@@ -181,9 +114,7 @@ class Pipeline:
                     self.slots,
                     self.ring,
                 )
-            exit_codes(self.pool, self.seen_workers)
-            pool_queues = (self.pool._inqueue, self.pool._outqueue, self.pool._change_notifier)
-            record_semaphores(cfg.paths, semaphore_names(*pool_queues))
+            self._remember_workers()
             chunks = chunked(tasks, cfg.workers)
             self.chunk_of = {task.index: chunk for chunk in chunks for task in chunk}
             self.feed = BoundedFeed(chunks, CHUNKS_PER_WORKER * cfg.workers)
@@ -202,7 +133,7 @@ class Pipeline:
         finished = self._wait_finished()
         if self.pool is not None:
             if self.lost_workers:  # the pool still counts the lost tasks and would wait for them
-                terminate_pool(self.pool)
+                shut_down_pool(self.pool)
             else:
                 self.pool.close()
             self.pool.join()
@@ -241,7 +172,7 @@ class Pipeline:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
         accounted = False
-        exit_codes(self.pool, self.seen_workers)
+        self._remember_workers()
         for pid in self.slots.vanished():
             self.lost_workers += 1
             task = self.pending.pop(self.slots.release(pid), None)
@@ -299,26 +230,19 @@ class Pipeline:
             if self.feed is not None:
                 self.feed.stop()
             if self.pool is not None:
-                terminate_pool(self.pool)
+                shut_down_pool(self.pool)
             if self.collator is not None and self.collator.is_alive():
-                self.collator.terminate()
+                self.collator.kill()  # it ignores SIGTERM; what it journaled stays for resume
                 self.collator.join(5)
-                if self.collator.is_alive():
-                    self.collator.kill()
-                    self.collator.join()
             self.events.cancel_join_thread()
             self.events.close()
             self.inbox.close()
-            if self.pool is not None:
-                self.pool.join()
 
-
-def semaphore_names(*objects: Any) -> list[str]:
-    """Names of the POSIX semaphores behind multiprocessing locks and queues."""
-    locks = [getattr(obj, attr, None) for obj in objects for attr in ("_rlock", "_wlock", "_sem")]
-    locks += [obj for obj in objects if hasattr(obj, "_semlock")]
-    names = (getattr(getattr(lock, "_semlock", None), "name", None) for lock in locks)
-    return [name for name in names if name]
+    def _remember_workers(self) -> None:
+        """Keep the pool's worker processes, whose exit codes say how a vanished worker died."""
+        assert self.pool is not None
+        for proc in pool_workers(self.pool):
+            self.seen_workers.setdefault(proc.pid, proc)
 
 
 def _exit_text(code: int | None) -> str:

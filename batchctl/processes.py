@@ -1,4 +1,16 @@
-"""How batchctl starts its child processes, and the signal rules they follow.
+"""How batchctl starts its child processes, who handles signals, and how nothing outlives a build.
+
+The rules, for every way a job is stopped (Ctrl-C and `systemctl stop`/`docker stop`/`timeout`
+signal the whole process group or cgroup; the OOM killer picks one process):
+- Only the parent acts on SIGINT and SIGTERM. The fork server and the collator ignore both, so a
+  signal to the group cannot kill a helper the parent still needs to end the build cleanly;
+  a worker ignores SIGINT and dies of SIGTERM (the pool notices, like any lost worker).
+- Every child dies with its parent: the fork server gets SIGKILL when the batchctl process dies
+  (`PR_SET_PDEATHSIG`), and each worker and the collator when the fork server dies, so a SIGKILL
+  of the parent alone leaves no orphan. multiprocessing's resource tracker then sees its last
+  client gone, unlinks the build's semaphores and exits.
+- What a SIGKILL of the whole group leaves in /dev/shm (the semaphores; the sample ring has no
+  name) carries the dead parent's pid, and any later build sweeps it (`sweep_dead_builds`).
 
 Kept free of heavy imports so the command line can start the fork server first of all, and its
 imports (numpy, Pillow, zarr) overlap the parent's own.
@@ -7,7 +19,10 @@ imports (numpy, Pillow, zarr) overlap the parent's own.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import multiprocessing as mp
+import os
+import re
 import signal
 import threading
 from collections.abc import Iterator
@@ -15,7 +30,18 @@ from multiprocessing import forkserver
 from multiprocessing.context import ForkServerContext
 from pathlib import Path
 
-PRELOAD = ["batchctl.workers", "batchctl.collate", "numpy", "PIL.Image"]
+from batchctl.errors import Signalled
+
+# batchctl.forkserver_init first: it sets up the fork server before the heavy imports.
+PRELOAD = ["batchctl.forkserver_init", "batchctl.workers", "batchctl.collate", "numpy", "PIL.Image"]
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+PR_SET_PDEATHSIG = 1
+SHM_DIR = Path("/dev/shm")
+# /dev/shm names batchctl creates, with the pid of the build's parent: semaphores, and the named
+# ring segments of batchctl before 0.1.1.
+DEAD_BUILD_NAME = re.compile(r"^(?:sem\.batchctl|batchctl-ring)-(\d+)-")
+
+_server_pid: int | None = None  # in the fork server and the children it forks: the server's pid
 
 
 def mp_context() -> ForkServerContext:
@@ -28,42 +54,125 @@ def mp_context() -> ForkServerContext:
 
 
 def start_forkserver() -> None:
-    """Start the fork server with SIGINT ignored, a disposition it inherits: a Ctrl-C reaching
-    the process group while it imports its preloads would otherwise print a KeyboardInterrupt
-    traceback from it (its own code ignores SIGINT only once the imports are done). The parent
-    ignores SIGINT only for the few milliseconds of the spawn. (Not SIGTERM: a child must die of
-    `terminate()` even before its initializer has run.)"""
+    """Start the fork server (if it is not running) with SIGINT and SIGTERM blocked in this
+    thread: the server inherits the mask and sets up its own dispositions before unblocking
+    (`become_forkserver`), and a signal for this process meanwhile waits instead of being lost."""
     mp_context()
-    if threading.current_thread() is not threading.main_thread():
-        forkserver.ensure_running()
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         forkserver.ensure_running()
     finally:
-        signal.signal(signal.SIGINT, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
-def init_child(title: str) -> None:
-    """Children leave SIGINT to the parent (Ctrl-C hits the whole process group), die on SIGTERM,
-    and name themselves so `ps`/`top` show what they are."""
+def become_forkserver() -> None:
+    """Run in the fork server as it starts (its first preload): leave SIGINT/SIGTERM to the
+    parent, and die with it. (Should the parent be dead already, the server exits by itself: its
+    only other reason to live, the parent's end of its 'alive' pipe, is closed.)"""
+    global _server_pid
+    _server_pid = os.getpid()
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    die_with_parent()
+
+
+def die_with_parent() -> None:
+    """Ask the kernel for SIGKILL when the parent dies (Linux; elsewhere nothing)."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def init_child(title: str, on_sigterm: signal.Handlers = signal.SIG_IGN) -> None:
+    """Set up a worker or the collator: SIGINT to the parent, SIGTERM as asked, die with the fork
+    server (checked after asking, in case it died first), and a name `ps` and `top` show."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, on_sigterm)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    if _server_pid is not None:
+        die_with_parent()
+        if os.getppid() != _server_pid:
+            os._exit(1)
     with contextlib.suppress(OSError):
         Path("/proc/self/comm").write_text(title[:15])
 
 
-@contextlib.contextmanager
-def signals_ignored() -> Iterator[None]:
-    """SIGINT and SIGTERM ignored for the duration (only the main thread may set handlers).
+def sweep_dead_builds() -> list[str]:
+    """Unlink the /dev/shm names of builds whose parent process is gone (a SIGKILL of a whole
+    process group kills the resource tracker too, which would have unlinked them). Only names with
+    batchctl's own prefix, owned by this user; the names removed."""
+    removed = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(SHM_DIR):
+            match = DEAD_BUILD_NAME.match(entry.name)
+            if match is None or _alive(int(match.group(1))):
+                continue
+            with contextlib.suppress(OSError):
+                if entry.stat(follow_symlinks=False).st_uid == os.getuid():
+                    os.unlink(entry.path)
+                    removed.append(entry.name)
+    return removed
 
-    By a handler that does nothing, not SIG_IGN: a process spawned meanwhile (multiprocessing
-    starts a new fork server if the group's SIGTERM killed the old one) would inherit SIG_IGN,
-    and its children would then survive `terminate()`."""
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def raise_signalled(signum: int, frame: object) -> None:
+    raise Signalled(signum)
+
+
+@contextlib.contextmanager
+def signals_raise() -> Iterator[None]:
+    """Turn SIGINT and SIGTERM into `Signalled` for the duration (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():  # build() called from a thread
+        yield
+        return
+    previous = {sig: signal.signal(sig, raise_signalled) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """SIGINT and SIGTERM held back until the block ends, then raised as `Signalled`: a child
+    being started must be known to the abort before the parent unwinds (main thread only)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {sig: signal.signal(sig, _ignore) for sig in (signal.SIGINT, signal.SIGTERM)}
+    caught: list[int] = []
+
+    def hold(signum: int, frame: object) -> None:
+        caught.append(signum)
+
+    previous = {sig: signal.signal(sig, hold) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+    if caught:
+        raise Signalled(caught[0])
+
+
+@contextlib.contextmanager
+def signals_ignored() -> Iterator[None]:
+    """SIGINT and SIGTERM dropped for the duration: an abort under way, or a publish that must not
+    stop half-way (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, _ignore) for sig in STOP_SIGNALS}
     try:
         yield
     finally:

@@ -11,32 +11,29 @@ slot, so the parent retires the slot of every lost worker (`WorkerSlots.release`
 is never written again. A worker without a usable slot, or with output too big for one, sends
 through the pipe as before; nothing is lost either way, it is only slower.
 
-The segment is named per run. The parent unlinks it on every way out; multiprocessing's resource
-tracker does if the parent alone is killed; the next build of the same OUTPUT does if the whole
-process group was (its name is recorded with the build's semaphores).
+The segment has no name: it is a memfd, handed to each child as it starts, so the kernel frees
+it with the last process that maps it, however the build ends. Being outside /dev/shm, it is not
+bound by a small /dev/shm either (Docker's is 64 MiB); only the pages a chunk fills are touched.
 """
 
 from __future__ import annotations
 
-import _posixshmem
 import contextlib
+import mmap
 import os
-import secrets
 from dataclasses import dataclass
-from multiprocessing import shared_memory
 from multiprocessing.context import BaseContext
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from batchctl.mpinternals import dup_fd_for_child
+
 if TYPE_CHECKING:
     from batchctl.workers import Task, TaskOutput
 
 SLOT_BYTES = 32 * 2**20  # one chunk's output; only the pages a chunk fills are ever touched
-MIN_SLOT_BYTES = 2**20
 ALIGN = 64
-SHM_DIR = "/dev/shm"
-PREFIX = "batchctl-ring-"
 
 
 @dataclass(frozen=True)
@@ -58,41 +55,37 @@ class InRing:
 
 
 class SampleRing:
-    """One shared-memory segment of `count` slots of `slot_bytes` each, attached lazily in each
-    process that uses it (the object itself travels to the workers and the collator by pickle)."""
+    """One anonymous shared-memory segment of `count` slots of `slot_bytes` each; the object
+    travels to the workers and the collator as they start, each mapping the segment lazily."""
 
-    def __init__(self, ctx: BaseContext, count: int, slot_bytes: int) -> None:
+    def __init__(self, ctx: BaseContext, count: int, slot_bytes: int = SLOT_BYTES) -> None:
         self.count = count
         self.slot_bytes = slot_bytes
-        self.name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
         self.free = [ctx.Semaphore(1) for _ in range(count)]
-        self._shm: shared_memory.SharedMemory | None = shared_memory.SharedMemory(
-            self.name, create=True, size=count * slot_bytes
-        )
+        self._fd = os.memfd_create("batchctl-ring", os.MFD_CLOEXEC)
+        os.ftruncate(self._fd, count * slot_bytes)
+        self._map: mmap.mmap | None = None
 
     @classmethod
     def create(cls, ctx: BaseContext, count: int) -> SampleRing | None:
-        """A ring that fits in the free space of /dev/shm (Docker gives it 64 MiB by default, and
-        touching a page past a full tmpfs kills the process with SIGBUS), or None: use the pipe."""
+        """A ring, or None where the system has no memfd: the samples go through the pipe then."""
+        if not hasattr(os, "memfd_create"):
+            return None
         try:
-            stat = os.statvfs(SHM_DIR)
+            return cls(ctx, count)
         except OSError:
             return None
-        fits = stat.f_bavail * stat.f_frsize // 2 // count // MIN_SLOT_BYTES * MIN_SLOT_BYTES
-        slot_bytes = min(SLOT_BYTES, fits)
-        if slot_bytes < MIN_SLOT_BYTES:
-            return None
-        return cls(ctx, count, slot_bytes)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_shm": None}
+        return {**self.__dict__, "_fd": dup_fd_for_child(self._fd), "_map": None}
 
-    def _buffer(self) -> memoryview:
-        if self._shm is None:
-            self._shm = shared_memory.SharedMemory(self.name)
-        buf = self._shm.buf
-        assert buf is not None
-        return buf
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _fd=state["_fd"].detach())
+
+    def _buffer(self) -> mmap.mmap:
+        if self._map is None:
+            self._map = mmap.mmap(self._fd, self.count * self.slot_bytes)
+        return self._map
 
     def put(self, slot: int, outputs: list[TaskOutput]) -> InRing | None:
         """Copy `outputs` into `slot` once the collator is done with its last contents; None when
@@ -130,25 +123,12 @@ class SampleRing:
     def _view(self, slot: int, ref: ColumnRef) -> np.ndarray:
         return np.ndarray(ref.shape, np.dtype(ref.dtype), self._buffer(), slot * self.slot_bytes + ref.offset)
 
-    def semaphores(self) -> list[Any]:
-        return list(self.free)
-
     def close(self) -> None:
-        """Unmap in this process (a process exiting unmaps anyway); views must be gone."""
-        if self._shm is not None:
+        """Unmap and close in this process (a process exiting does both anyway); views must be gone."""
+        if self._map is not None:
             with contextlib.suppress(BufferError):
-                self._shm.close()
-
-    def unlink(self) -> None:
-        """Remove the segment (the parent, which created it, once every child is gone)."""
-        if self._shm is not None:
-            self.close()
-            with contextlib.suppress(FileNotFoundError):
-                self._shm.unlink()
-
-
-def unlink_segment(name: str) -> None:
-    """Remove the segment a dead build left (not through `SharedMemory`, whose unlink would ask
-    this process's resource tracker to forget a name it never knew)."""
-    with contextlib.suppress(FileNotFoundError):
-        _posixshmem.shm_unlink(f"/{name}")
+                self._map.close()
+                self._map = None
+        if self._map is None and self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

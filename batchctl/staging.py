@@ -8,8 +8,6 @@ older dataset is there), so readers see the old dataset or the new one, never a 
 
 from __future__ import annotations
 
-import _multiprocessing
-import contextlib
 import ctypes
 import errno
 import fcntl
@@ -17,12 +15,13 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from batchctl import ring, storage
+from batchctl import storage
 from batchctl.errors import LockedError, UsageError
 from batchctl.processes import signals_ignored
 
@@ -33,7 +32,7 @@ RENAME_EXCHANGE = 2
 class BuildPaths:
     """Where one build of OUTPUT keeps its work. For a URL OUTPUT there is no rename: the
     dataset is written in place, its `complete` flag last, and the journal is one object per
-    shard beside it; the lock and the semaphore list stay on this machine."""
+    shard beside it; the lock stays on this machine."""
 
     url: str  # OUTPUT: an absolute local path or a URL
     storage_options: Mapping[str, Any] = field(default_factory=dict)
@@ -81,18 +80,12 @@ class BuildPaths:
 
     @property
     def local_dir(self) -> Path:
-        """The lock and the semaphore list: beside OUTPUT, or in the user's cache for a URL."""
+        """Where the lock lives: beside OUTPUT, or in the user's cache for a URL."""
         if not self.remote:
             return self.output.parent
         cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "batchctl"
         cache.mkdir(parents=True, exist_ok=True)
         return cache / hashlib.sha256(self.url.encode()).hexdigest()[:16]
-
-    @property
-    def semaphores(self) -> Path:
-        if self.remote:
-            return self.local_dir.with_suffix(".semaphores")
-        return self.workdir / "semaphores.txt"
 
     @property
     def lock(self) -> Path:
@@ -106,7 +99,10 @@ class BuildPaths:
 
 class BuildLock:
     """An flock on the lock file: the kernel drops it when the holder dies, so a lock left by a
-    killed build is simply taken over. The file records the holder's pid for the message."""
+    killed build is simply taken over. The file records the holder's pid for the message.
+
+    OUTPUT may well sit in a shared folder such as /tmp, so the lock is never a symlink (someone
+    could plant one to make us truncate a file of ours) nor anything but a plain file."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -114,7 +110,7 @@ class BuildLock:
 
     def acquire(self) -> BuildLock:
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = self._open()
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -124,13 +120,30 @@ class BuildLock:
                     f"another build of this output is running (process {holder} holds {self.path}); "
                     "wait for it to finish or stop it."
                 ) from None
-            if os.path.exists(self.path) and os.stat(self.path).st_ino == os.fstat(fd).st_ino:
+            if os.path.lexists(self.path) and os.lstat(self.path).st_ino == os.fstat(fd).st_ino:
                 break
             os.close(fd)  # the file was replaced between open and flock: lock the new one
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self.fd = fd
         return self
+
+    def _open(self) -> int:
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise UsageError(
+                    f"the lock {self.path} is a symbolic link; batchctl will not follow it: remove it."
+                ) from None
+            raise UsageError(
+                f"cannot create the lock {self.path} ({exc.strerror}): OUTPUT's folder must be writable."
+            ) from None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            os.close(fd)
+            raise UsageError(f"the lock {self.path} is not a plain file of its own; remove it.")
+        return fd
 
     def release(self) -> None:
         if self.fd is not None:
@@ -142,6 +155,22 @@ class BuildLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def check_workdir(paths: BuildPaths) -> None:
+    """Refuse a local work folder that is not a private folder of this user's: its journal and
+    state decide what a build trusts and deletes, and OUTPUT may sit in a shared folder."""
+    if paths.remote:
+        return
+    try:
+        st = os.lstat(paths.workdir)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise UsageError(
+            f"{paths.workdir} is not a private folder of yours (a build creates it with mode 0700); "
+            "batchctl will not trust or delete it: remove it yourself."
+        )
 
 
 def check_replaceable(paths: BuildPaths) -> None:
@@ -233,36 +262,6 @@ def rewrite_journal(paths: BuildPaths, shards: list[dict[str, Any]]) -> None:
         os.fsync(journal.fileno())
 
 
-SHM_MARK = "shm:"  # a listed name that is a shared-memory segment (the sample ring), not a semaphore
-
-
-def record_semaphores(paths: BuildPaths, names: list[str]) -> None:
-    """Note the POSIX semaphores this build's queues and locks use, and its sample ring (files in
-    /dev/shm).
-
-    multiprocessing unlinks them when the build ends, or its resource tracker does when the build
-    dies; a SIGKILL of the whole process group kills the tracker too and leaves them behind, so
-    the next build of this OUTPUT sweeps what is listed here.
-    """
-    with open(paths.semaphores, "a", encoding="utf-8") as listing:
-        listing.writelines(name + "\n" for name in names)
-
-
-def sweep_semaphores(paths: BuildPaths) -> None:
-    """Unlink the semaphores a dead build of this OUTPUT left (we hold its lock: it is dead)."""
-    try:
-        names = paths.semaphores.read_text(encoding="utf-8").split()
-    except OSError:
-        return
-    for name in names:
-        if name.startswith(SHM_MARK):
-            ring.unlink_segment(name.removeprefix(SHM_MARK))
-            continue
-        with contextlib.suppress(OSError):
-            _multiprocessing.sem_unlink(name)
-    paths.semaphores.unlink(missing_ok=True)
-
-
 def discard(paths: BuildPaths) -> None:
     if paths.remote:
         fs, where = paths.fs, storage.fs_path(paths.workdir_url)
@@ -275,7 +274,7 @@ def discard(paths: BuildPaths) -> None:
 def start_workdir(paths: BuildPaths) -> None:
     discard(paths)
     if not paths.remote:
-        paths.workdir.mkdir()
+        paths.workdir.mkdir(mode=0o700)
 
 
 def _exchange(a: Path, b: Path) -> bool:

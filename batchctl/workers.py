@@ -9,8 +9,8 @@ crosses the pool: a failing file becomes a `TaskResult` with its error text.
 
 from __future__ import annotations
 
-import contextlib
 import os
+import signal
 import threading
 import time
 from collections import deque
@@ -162,7 +162,7 @@ def init_worker(
     slots: WorkerSlots,
     ring: SampleRing | None,
 ) -> None:
-    init_child("batchctl-worker")
+    init_child("batchctl-worker", on_sigterm=signal.SIG_DFL)  # a worker killed alone is a lost worker
     _worker.update(slots=slots, slot=slots.claim(os.getpid()), ring=ring)
     _worker.update(preprocessor=resolve(preprocess), options=dict(options), source=source, outbox=outbox)
 
@@ -329,35 +329,3 @@ def start_pool(
     ring: SampleRing | None,
 ) -> Pool:
     return ctx.Pool(workers, initializer=init_worker, initargs=(preprocess, options, source, outbox, slots, ring))
-
-
-def terminate_pool(pool: Pool) -> None:
-    """`Pool.terminate()`, safe when a worker died holding one of the pool's queue locks.
-
-    terminate() takes the task queue's read lock and the result queue's write lock; a worker
-    killed while it held one (by the group's SIGTERM, the OOM killer, --timeout) leaves it taken
-    for ever, and terminate() would wait for ever. So every worker is killed first; a lock still
-    taken after that belongs to a dead process and is released for it. Queued data is dropped.
-    """
-    workers = list(pool._pool)  # type: ignore[attr-defined]
-    for proc in workers:
-        with contextlib.suppress(OSError, ValueError):
-            proc.kill()
-    for proc in workers:
-        proc.join(LOCK_WAIT_S)
-    for lock in (pool._inqueue._rlock, pool._outqueue._wlock):  # type: ignore[attr-defined]
-        if lock.acquire(timeout=LOCK_WAIT_S):
-            lock.release()
-        else:
-            with contextlib.suppress(ValueError):
-                lock.release()
-    pool.terminate()
-
-
-LOCK_WAIT_S = 0.5
-
-
-def exit_codes(pool: Pool, seen: dict[int, Any]) -> None:
-    """Remember the pool's worker processes, whose exit codes say how a vanished worker died."""
-    for proc in pool._pool:  # type: ignore[attr-defined]
-        seen.setdefault(proc.pid, proc)

@@ -100,10 +100,6 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def shm_segments() -> set[str]:
-    return {p.name for p in Path("/dev/shm").iterdir()} if Path("/dev/shm").is_dir() else set()
-
-
 def kill_group(proc: subprocess.Popen[str], sig: int = signal.SIGKILL) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, sig)

@@ -19,11 +19,11 @@ from tests.conftest import (
     kill_group,
     processes_in_group,
     run_cli,
-    shm_segments,
     start_cli,
     wait_for,
     wait_group_gone,
 )
+from tests.stress import build_names
 from tests.test_build import image_files
 
 SLOW = ["--preprocess", f"{PLUGINS}:slow_image", "--batch-size", "4", "--shard-batches", "1", "--workers", "2"]
@@ -48,7 +48,6 @@ def assert_exactly_once(out: Path, expected: set[str]) -> None:
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_signal_stops_cleanly_and_the_rerun_resumes(image_folder: Path, tmp_path: Path, sig: int, code: int) -> None:
     out, report = tmp_path / "data.zarr", tmp_path / "report.json"
-    shm_before = shm_segments()
     proc = start_cli("build", image_folder, "-o", out, *SLOW, "--report", report)
     wait_for(lambda: journal_shards(out) >= 2)
     sent = time.monotonic()
@@ -61,7 +60,7 @@ def test_signal_stops_cleanly_and_the_rerun_resumes(image_folder: Path, tmp_path
     assert time.monotonic() - sent < 5
     assert "Traceback" not in stderr and "interrupted" in stderr
     assert wait_group_gone(proc.pid) == []
-    assert shm_segments() <= shm_before
+    assert build_names(proc.pid) == []
     assert not out.exists()  # nothing at OUTPUT claims to be complete
     assert json.loads(report.read_text())["status"] == "interrupted"
 
@@ -78,10 +77,11 @@ def test_many_random_interruptions_then_exactly_once(image_folder: Path, tmp_pat
     resuming each time; the finished dataset holds every input exactly once."""
     rng = random.Random(20261202)
     out = tmp_path / "data.zarr"
-    shm_before = shm_segments()
+    parents = []
     args = ["build", image_folder, "-o", out, *SLOW, "--option", "delay=0.01"]
     for _ in range(20):
         proc = start_cli(*args)
+        parents.append(proc.pid)
         time.sleep(rng.uniform(0.3, 2.0))
         sig = rng.choice([signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
         kill_group(proc, sig)
@@ -95,23 +95,23 @@ def test_many_random_interruptions_then_exactly_once(image_folder: Path, tmp_pat
     result = run_cli(*args)
     assert result.returncode == 0, result.stderr
     assert_exactly_once(out, image_files(image_folder))
-    assert shm_segments() <= shm_before
+    assert [name for pid in parents for name in build_names(pid)] == []  # a SIGKILLed group's, swept
 
 
 def test_kill_9_of_the_whole_group_then_resume(image_folder: Path, tmp_path: Path) -> None:
     out, report = tmp_path / "data.zarr", tmp_path / "r.json"
-    shm_before = shm_segments()
     proc = start_cli("build", image_folder, "-o", out, *SLOW)
     wait_for(lambda: journal_shards(out) >= 3)
     kill_group(proc, signal.SIGKILL)
     proc.communicate(timeout=30)
     assert wait_group_gone(proc.pid) == []
     assert not out.exists()
+    assert build_names(proc.pid) != []  # the resource tracker died with the group: its semaphores stay
     result = run_cli("build", image_folder, "-o", out, *SLOW, "--report", report)
     assert result.returncode == 0, result.stderr
     assert json.loads(report.read_text())["resumed_shards"] >= 3
     assert_exactly_once(out, image_files(image_folder))
-    assert shm_segments() <= shm_before  # the killed build's semaphores were swept by the rerun
+    assert build_names(proc.pid) == []  # the killed build's semaphores were swept by the rerun
 
 
 def test_a_killed_worker_costs_only_its_file(image_folder: Path, tmp_path: Path) -> None:

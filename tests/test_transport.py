@@ -1,13 +1,10 @@
-"""The machinery between the stages: the shared-memory sample ring, the pool's teardown and
+"""The machinery between the stages: the shared-memory sample ring, the worker slots and
 batchctl's own shard encoder."""
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -17,7 +14,7 @@ from batchctl import format as fmt
 from batchctl.discover import WorkItem
 from batchctl.processes import mp_context
 from batchctl.ring import SampleRing
-from batchctl.workers import Task, TaskOutput, WorkerSlots, terminate_pool
+from batchctl.workers import Task, TaskOutput, WorkerSlots
 
 
 def output(rows: int, seed: int, name: str = "x") -> TaskOutput:
@@ -29,11 +26,9 @@ def output(rows: int, seed: int, name: str = "x") -> TaskOutput:
 @pytest.fixture
 def ring() -> Iterator[SampleRing]:
     made = SampleRing.create(mp_context(), 3)
-    if made is None:
-        pytest.skip("no room in /dev/shm")
+    assert made is not None  # Linux has memfd
     yield made
-    made.unlink()
-    assert not Path(f"/dev/shm/{made.name}").exists()
+    made.close()
 
 
 def test_ring_carries_outputs_exactly(ring: SampleRing) -> None:
@@ -94,25 +89,3 @@ def test_shards_written_by_batchctl_read_back_in_zarr(tmp_path: Path, compressio
     reader = fmt.ChunkReader.for_array(tmp_path / "d.zarr", reopened["x"])
     assert reader is not None
     assert np.array_equal(reader.read(6)[:3], columns["x"][24:27])
-
-
-def _hold(lock: Any, ready: Any) -> None:
-    lock.acquire()
-    ready.set()
-    time.sleep(60)
-
-
-def test_pool_teardown_survives_a_worker_killed_holding_the_result_lock() -> None:
-    """Pool.terminate() waits for ever for a queue lock a killed process held; ours does not."""
-    ctx = mp_context()
-    pool = ctx.Pool(2)
-    ready = ctx.Event()
-    holder = ctx.Process(target=_hold, args=(pool._outqueue._wlock, ready))  # type: ignore[attr-defined]
-    holder.start()
-    assert ready.wait(30)
-    holder.kill()
-    holder.join()
-    done = threading.Event()
-    thread = threading.Thread(target=lambda: (terminate_pool(pool), pool.join(), done.set()), daemon=True)
-    thread.start()
-    assert done.wait(20), "the pool's teardown hung on the dead process's lock"

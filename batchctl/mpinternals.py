@@ -1,0 +1,77 @@
+"""Every use of a private part of CPython's multiprocessing, in one place (tested with 3.11 in
+`tests/test_mpinternals.py`, so a Python release that changes one fails CI, not users' builds).
+
+Why each is needed:
+- `Pool._pool`: the worker processes. A worker killed by the kernel takes its task with it; its
+  exit code says how it died. On an abort every worker is killed with SIGKILL: `Pool.terminate()`
+  sends SIGTERM, which a worker that has not yet run its initializer ignores (it inherits the fork
+  server's dispositions), and would then wait for it for ever.
+- `Pool._worker_handler`, `Pool._change_notifier`, `Pool._taskqueue`: on an abort the pool must
+  stop replacing the workers being killed; and when its worker-handler thread died (it cannot
+  start a worker once the fork server is gone), the task handler never gets its sentinel and
+  `terminate()` would wait for it for ever (measured: 5 hangs in 9 group SIGTERMs).
+- `Pool._inqueue._rlock`, `Pool._outqueue._wlock`: a worker killed while holding one leaves it
+  taken, and `terminate()` takes both.
+- `process.current_process()._config["semprefix"]`: names the POSIX semaphores a build creates
+  after its own pid, so a later build can tell a dead build's leftovers from a live one's.
+- `reduction.DupFd`: hands the sample ring's memfd to a child as it is started (no name at all).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from multiprocessing import process, reduction
+from multiprocessing.pool import TERMINATE, Pool
+from typing import Any
+
+LOCK_WAIT_S = 0.5
+SHUTDOWN_S = 5.0
+
+
+def pool_workers(pool: Pool) -> list[Any]:
+    """The pool's current worker `Process` objects."""
+    return list(pool._pool)  # type: ignore[attr-defined]
+
+
+def shut_down_pool(pool: Pool) -> None:
+    """End a pool now, from any state, without waiting for ever: no worker is replaced any more,
+    every worker is killed, locks dead workers held are freed, then `terminate()` runs with a
+    deadline (its threads are daemons: one that never returns does not keep the process alive)."""
+    handler: threading.Thread = pool._worker_handler  # type: ignore[attr-defined]
+    handler._state = TERMINATE  # type: ignore[attr-defined]
+    with contextlib.suppress(OSError, ValueError):
+        pool._change_notifier.put(None)  # type: ignore[attr-defined]  # wake it to see the state
+    handler.join(SHUTDOWN_S)
+    workers = pool_workers(pool)
+    for proc in workers:
+        with contextlib.suppress(OSError, ValueError):
+            proc.kill()
+    for proc in workers:
+        with contextlib.suppress(ValueError, AssertionError):
+            proc.join(LOCK_WAIT_S)
+    for lock in (pool._inqueue._rlock, pool._outqueue._wlock):  # type: ignore[attr-defined]
+        free_lock_of_dead(lock)
+    pool._taskqueue.put(None)  # type: ignore[attr-defined]  # the sentinel a dead worker handler never sent
+    ender = threading.Thread(target=pool.terminate, name="batchctl-pool-end", daemon=True)
+    ender.start()
+    ender.join(SHUTDOWN_S)
+
+
+def free_lock_of_dead(lock: Any) -> None:
+    """A lock still taken once every process that could hold it is dead: release it for them."""
+    if lock.acquire(timeout=LOCK_WAIT_S):
+        lock.release()
+    else:
+        with contextlib.suppress(ValueError):
+            lock.release()
+
+
+def name_semaphores_after(pid: int) -> None:
+    """Semaphores created from now on are named `/batchctl-PID-XXXXXXXX` (`/dev/shm/sem.batchctl-...`)."""
+    process.current_process()._config["semprefix"] = f"/batchctl-{pid}"  # type: ignore[attr-defined]
+
+
+def dup_fd_for_child(fd: int) -> Any:
+    """A picklable handle for `fd`, valid while a child process is being started (its arguments)."""
+    return reduction.DupFd(fd)

@@ -1,0 +1,131 @@
+"""The private parts of CPython's multiprocessing that batchctl leans on (`batchctl.mpinternals`),
+each exercised, so a Python release that changes one fails here first; and the /dev/shm sweep."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from multiprocessing.pool import Pool
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from batchctl.discover import WorkItem
+from batchctl.mpinternals import name_semaphores_after, pool_workers, shut_down_pool
+from batchctl.processes import mp_context, sweep_dead_builds
+from batchctl.ring import SampleRing
+from batchctl.workers import Task, TaskOutput
+
+SHM = Path("/dev/shm")
+
+
+def _hold(lock: Any, ready: Any) -> None:
+    lock.acquire()
+    ready.set()
+    time.sleep(60)
+
+
+def _ends_within(pool: Pool, seconds: float) -> bool:
+    done = threading.Event()
+    threading.Thread(target=lambda: (shut_down_pool(pool), pool.join(), done.set()), daemon=True).start()
+    return done.wait(seconds)
+
+
+def test_pool_workers_are_the_pools_processes() -> None:
+    pool = mp_context().Pool(2)
+    try:
+        pids = set(pool.map(_pid, range(8)))
+        assert pids <= {proc.pid for proc in pool_workers(pool)} and len(pool_workers(pool)) == 2
+    finally:
+        assert _ends_within(pool, 20)
+
+
+def _pid(_: int) -> int:
+    time.sleep(0.01)
+    return os.getpid()
+
+
+def test_shut_down_survives_a_process_killed_holding_the_result_lock() -> None:
+    """Pool.terminate() waits for ever for a queue lock a killed process held; ours does not."""
+    ctx = mp_context()
+    pool = ctx.Pool(2)
+    ready = ctx.Event()
+    holder = ctx.Process(target=_hold, args=(pool._outqueue._wlock, ready))  # type: ignore[attr-defined]
+    holder.start()
+    assert ready.wait(30)
+    holder.kill()
+    holder.join()
+    assert _ends_within(pool, 20), "the pool's teardown hung on the dead process's lock"
+    assert not any(proc.is_alive() for proc in pool_workers(pool))
+
+
+def test_shut_down_survives_a_dead_worker_handler(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a group SIGTERM did to the fork server: the worker-handler thread dies starting a
+    replacement, never sends the task handler its sentinel, and terminate() waited for ever."""
+    pool = mp_context().Pool(2)
+    handler = pool._worker_handler  # type: ignore[attr-defined]
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise BrokenPipeError("the fork server is gone")
+
+    monkeypatch.setattr(threading, "excepthook", lambda args: None)  # its traceback is expected
+    monkeypatch.setattr(Pool, "_repopulate_pool_static", staticmethod(broken))
+    pool_workers(pool)[0].kill()
+    handler.join(10)
+    assert not handler.is_alive()
+    assert _ends_within(pool, 20), "the pool's teardown hung without its worker handler"
+    assert not any(proc.is_alive() for proc in pool_workers(pool))
+
+
+def test_semaphores_carry_the_builds_pid() -> None:
+    name_semaphores_after(os.getpid())
+    lock = mp_context().Lock()
+    name = lock._semlock.name  # type: ignore[attr-defined]
+    assert name.startswith(f"/batchctl-{os.getpid()}-")
+    assert (SHM / f"sem{name.replace('/', '.')}").exists()
+
+
+def _write_through_ring(ring: SampleRing, rows: int) -> None:
+    task = Task(0, WorkItem("a.npy", 0, 1, 0))
+    message = ring.put(0, [TaskOutput([(task, rows)], {"x": np.arange(rows, dtype=np.int32)})])
+    assert message is not None
+    ring.close()
+
+
+def test_the_ring_reaches_a_child_by_fd_with_no_name() -> None:
+    ctx = mp_context()
+    ring = SampleRing(ctx, 2, slot_bytes=2**20)
+    child = ctx.Process(target=_write_through_ring, args=(ring, 5))
+    child.start()
+    child.join(30)
+    assert child.exitcode == 0
+    assert list(SHM.glob(f"*ring-{os.getpid()}-*")) == []  # (batchctl 0.1.0 named it so)
+    view = np.ndarray((5,), np.int32, ring._buffer(), 0)
+    assert view.tolist() == [0, 1, 2, 3, 4]
+    del view
+    ring.close()
+
+
+def test_sweep_removes_only_dead_builds_names() -> None:
+    gone = mp_context().Process(target=time.sleep, args=(0,))
+    gone.start()
+    gone.join()
+    tag = uuid.uuid4().hex[:8]
+    dead = SHM / f"sem.batchctl-{gone.pid}-{tag}"
+    old_ring = SHM / f"batchctl-ring-{gone.pid}-{tag}"
+    live = SHM / f"sem.batchctl-{os.getpid()}-{tag}"
+    other = SHM / f"sem.other-{gone.pid}-{tag}"
+    for path in (dead, old_ring, live, other):
+        path.write_bytes(b"")
+    try:
+        removed = sweep_dead_builds()
+        assert {dead.name, old_ring.name} <= set(removed)
+        assert not dead.exists() and not old_ring.exists()
+        assert live.exists() and other.exists()
+    finally:
+        for path in (dead, old_ring, live, other):
+            path.unlink(missing_ok=True)
