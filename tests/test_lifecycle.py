@@ -70,7 +70,8 @@ def test_a_work_folder_that_is_not_private_is_not_trusted(photos: Path, tmp_path
         assert "not a private folder of yours" in result.stderr
         assert victim.exists()
         workdir.chmod(0o700)  # private now: trusted, and a listing there means nothing any more
-        result = run_cli("build", photos, "-o", tmp_path / "out.zarr", "--workers", "2", "--resize", "32", "--crop", "32")
+        small = ["--workers", "2", "--resize", "32", "--crop", "32"]
+        result = run_cli("build", photos, "-o", tmp_path / "out.zarr", *small)
         assert result.returncode == 0, result.stderr
         assert victim.exists()
     finally:
