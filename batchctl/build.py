@@ -43,7 +43,7 @@ class BuildOptions:
     workers: int = field(default_factory=default_workers)
     preprocess: str = "image"
     preprocess_options: Mapping[str, Any] = field(default_factory=dict)
-    seed: int | None = None
+    seed: int | None = 0  # files are dispatched in this shuffled order; None: in sorted order
     shard_batches: int | None = None
     compression: str = "auto"
     max_errors: int | None = None
@@ -92,15 +92,20 @@ def dataset_spec(options: BuildOptions, preprocessor: Preprocessor, pp_options: 
 
 
 def build(
-    source: str | os.PathLike[str], output: str | os.PathLike[str], progress: Progress | None = None, **options: Any
+    source: str | os.PathLike[str],
+    output: str | os.PathLike[str] | None = None,
+    progress: Progress | None = None,
+    **options: Any,
 ) -> BuildReport:
-    """Preprocess every file under `source` into the sharded dataset `output`.
+    """Preprocess every file under `source` into the sharded dataset `output` (by default SOURCE's
+    name plus `.zarr`, beside it).
 
     Returns the report of a complete (or already up-to-date) build; raises `BuildFailed` or
     `BuildInterrupted`, both carrying the report, when it ends otherwise.
     """
     opts = BuildOptions(**options)
-    builder = _Builder(storage.normalise(source), storage.normalise(output), opts, progress or Progress())
+    where = storage.default_output(source) if output is None else storage.normalise(output)
+    builder = _Builder(storage.normalise(source), where, opts, progress or Progress())
     return builder.run()
 
 
@@ -139,7 +144,9 @@ class _Builder:
     def _run_locked(self) -> BuildReport:
         sweep_dead_builds()  # what builds killed with their whole process group left in /dev/shm
         staging.check_workdir(self.paths)
-        discovery = discover(self.source, self.preprocessor.accepts, self.options.seed, self.options.storage_options)
+        discovery = discover(
+            self.source, self.preprocessor.accepts, self.options.seed, self.options.storage_options, self.output
+        )
         self.report.ignored = discovery.ignored
         fingerprint = discovery.fingerprint([self.spec, discovery.classes])
         if not self.options.force and self._up_to_date(fingerprint):
@@ -196,6 +203,9 @@ class _Builder:
         return self._complete(discovery, fingerprint, finished)
 
     def _complete(self, discovery: Discovery, fingerprint: str, finished: Finished) -> BuildReport:
+        retry = {error.source for error in self.report.errors if error.retry}
+        if retry:  # files lost with their worker: the next run must not find this dataset up to date
+            fingerprint = discovery.fingerprint([self.spec, discovery.classes], leave_out=retry)
         self._publish(discovery, fingerprint, finished)
         self.report.samples = finished.samples
         self.report.batches = fmt.num_batches(finished.samples, self.options.batch_size)
@@ -294,14 +304,14 @@ class _Builder:
             self.report.processed += 1  # files, not parts: a file's first part counts it
         self.new_samples += result.samples
         if result.error is not None:
-            self._error(result.task.item.relpath, result.error)
+            self._error(result.task.item.relpath, result.error, retry=result.transient)
 
     def _on_rejected(self, event: Rejected) -> None:
         self.new_samples -= event.samples
         self._error(event.source, event.error)
 
-    def _error(self, relpath: str, reason: str) -> None:
-        self.report.errors.append(FileError(relpath, reason))
+    def _error(self, relpath: str, reason: str, retry: bool = False) -> None:
+        self.report.errors.append(FileError(relpath, reason, retry))
         self.progress.error(relpath, reason)
         limit = self.options.max_errors
         if limit is not None and len(self.report.errors) > limit:

@@ -7,6 +7,7 @@ Exit codes: 0 success (or up to date), 1 failed build or bad dataset, 2 usage er
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 from pathlib import Path
@@ -29,6 +30,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     no_args_is_help=True,
     add_completion=False,
+    rich_markup_mode=None,  # plain help that wraps at word boundaries in any width
 )
 
 
@@ -80,12 +82,19 @@ def build(
         ),
     ],
     output: Annotated[
-        str, typer.Option("-o", "--output", help="Where to write the Zarr v3 dataset: a path or a URL (s3://...).")
-    ],
+        Optional[str],
+        typer.Option(
+            "-o",
+            "--output",
+            help="Where to write the Zarr v3 dataset: a path or a URL (s3://...). "
+            "Default: SOURCE's name plus .zarr, beside it.",
+        ),
+    ] = None,
     batch_size: Annotated[int, typer.Option(help="Samples per batch (= rows per chunk).", min=1)] = 64,
     workers: Annotated[Optional[int], typer.Option(help="Preprocessing processes (default: all cores).", min=1)] = None,
     preprocess: Annotated[
-        str, typer.Option(help="image, audio, npy, or your own as package.module:function or file.py:function.")
+        str,
+        typer.Option(help="image, audio, npy, or your own function: package.module:function or file.py:function."),
     ] = "image",
     include: Annotated[
         Optional[list[str]], typer.Option("--include", help="Take only files matching this glob (repeatable).")
@@ -102,7 +111,12 @@ def build(
     option: Annotated[
         Optional[list[str]], typer.Option("--option", help="Preprocessor option key=value (repeatable).")
     ] = None,
-    seed: Annotated[Optional[int], typer.Option(help="Shuffle the order files are dispatched in.")] = None,
+    seed: Annotated[
+        int, typer.Option(help="Seed of the shuffled order files are dispatched in (so batches mix classes).")
+    ] = 0,
+    sorted_order: Annotated[
+        bool, typer.Option("--sorted", help="Dispatch files in sorted path order instead of shuffled.")
+    ] = False,
     shard_batches: Annotated[
         Optional[int], typer.Option(help="Batches per shard file (default: about 128 MiB).", min=1)
     ] = None,
@@ -139,7 +153,7 @@ def build(
     options: dict[str, Any] = {
         "batch_size": batch_size,
         "preprocess": preprocess,
-        "seed": seed,
+        "seed": None if sorted_order else seed,
         "shard_batches": shard_batches,
         "compression": compression,
         "max_errors": 0 if strict else max_errors,
@@ -153,6 +167,7 @@ def build(
     if workers is not None:
         options["workers"] = workers
     try:
+        _check_writable_destination(report, "--report")
         options["storage_options"] = parse_storage_options(storage_option or [])
         pp_options = dict(_parse_option(text) for text in option or [])
         named = {
@@ -263,10 +278,29 @@ def preview(
     from batchctl.preview import preview as draw_preview
 
     try:
+        _check_writable_destination(output, "-o")
+        if output.suffix.lower() != ".png":
+            raise UsageError(f"Expected -o to name a .png file, got {str(output)!r} instead.")
         drawn = draw_preview(path, output, batch=batch, count=count)
+    except UsageError as exc:
+        _fail(str(exc), 2)
     except BatchctlError as exc:
         _fail(str(exc), 1)
     typer.echo(f"wrote {drawn} samples of batch {batch} to {output}", err=True)
+
+
+def _check_writable_destination(path: Path | None, option: str) -> None:
+    """A file the command will write at the end: its folder must exist and be writable now,
+    before any work, not after a long build."""
+    if path is None:
+        return
+    folder = path.absolute().parent
+    if not folder.is_dir():
+        raise UsageError(f"{option} {path}: the folder {folder} does not exist.")
+    if not os.access(folder, os.W_OK):
+        raise UsageError(f"{option} {path}: the folder {folder} is not writable.")
+    if path.is_dir():
+        raise UsageError(f"{option} {path} is a folder; name a file.")
 
 
 def _finish(result: BuildReport, report_path: Path | None, quiet: bool) -> None:
@@ -277,12 +311,27 @@ def _finish(result: BuildReport, report_path: Path | None, quiet: bool) -> None:
 
 
 def run() -> None:
-    """Console-script entry point (`batchctl.__main__` has installed the signal handlers)."""
+    """Console-script entry point (`batchctl.__main__` has installed the signal handlers).
+
+    Click runs without its standalone mode so that its usage errors print like batchctl's own:
+    one line, `batchctl: error: ...`, exit 2."""
     try:
-        app()
+        code = app(standalone_mode=False)
+    except typer.TyperException as exc:  # Click's errors (a usage error's exit code is 2)
+        if type(exc).__name__ == "NoArgsIsHelpError":  # `batchctl` alone: the help, as Click shows it
+            typer.echo(exc.format_message(), err=True)
+            sys.exit(2)
+        ctx = getattr(exc, "ctx", None)
+        hint = f" (see: {ctx.command_path} --help)" if ctx is not None else ""
+        message = " ".join(exc.format_message().split())
+        typer.echo(f"batchctl: error: {message}{hint}", err=True)
+        code = getattr(exc, "exit_code", 2)
+    except typer.Abort:  # Click's own handling of an end of input
+        code = 1
     except Signalled as sig:  # e.g. while parsing or starting: no traceback, exit 130/143
         typer.echo("batchctl: interrupted.", err=True)
-        sys.exit(128 + sig.signum)
+        code = 128 + sig.signum
     finally:  # the command is over: a signal from now on must not raise inside interpreter exit
         for stop in (signal.SIGINT, signal.SIGTERM):
             signal.signal(stop, signal.SIG_IGN)
+    sys.exit(code if isinstance(code, int) else 0)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import hashlib
 import os
 import random
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from stat import S_ISREG
 from typing import Any
 
 from batchctl import storage
@@ -31,10 +32,14 @@ class Discovery:
     ignored: int = 0
     unreadable: list[tuple[str, str]] = field(default_factory=list)
 
-    def fingerprint(self, options: object) -> str:
-        """Changes when any input path, size or mtime changes, or the options do."""
+    def fingerprint(self, options: object, leave_out: Collection[str] = ()) -> str:
+        """Changes when any input path, size or mtime changes, or the options do. A dataset built
+        without the files `leave_out` gets a fingerprint the next discovery (with them) will not
+        match, so the next run tries them again."""
         digest = hashlib.sha256(repr(options).encode())
         for item in sorted(self.items, key=lambda it: it.relpath):
+            if item.relpath in leave_out:
+                continue
             digest.update(f"{item.relpath}\0{item.size}\0{item.mtime_ns}\n".encode())
         return digest.hexdigest()
 
@@ -43,9 +48,10 @@ class FolderError(OSError):
     """A folder that cannot be walked (unreadable, or a symlink loop): reported whatever its name."""
 
 
-def walk_files(root: Path) -> Iterable[tuple[str, os.stat_result | OSError]]:
+def walk_files(root: Path, skip: str | None = None) -> Iterable[tuple[str, os.stat_result | OSError]]:
     """Non-hidden files under `root`, recursively, in sorted order, following directory symlinks
-    once each (a symlink loop is reported, never followed twice)."""
+    once each (a symlink loop is reported, never followed twice); `skip` (a relative path) and
+    everything under it are left out."""
     seen: set[tuple[int, int]] = set()
 
     def visit(directory: Path, prefix: str) -> Iterable[tuple[str, os.stat_result | OSError]]:
@@ -66,6 +72,8 @@ def walk_files(root: Path) -> Iterable[tuple[str, os.stat_result | OSError]]:
             if entry.name.startswith("."):
                 continue
             rel = prefix + entry.name
+            if rel == skip:
+                continue
             try:
                 is_dir = entry.is_dir()
             except OSError:
@@ -86,34 +94,67 @@ def discover(
     accepts: Callable[[str], bool],
     seed: int | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    output: str | None = None,
 ) -> Discovery:
-    """Files `accepts` takes become work items; the rest are counted as ignored.
+    """Files `accepts` takes become work items; the rest are counted as ignored, and so are
+    FIFOs, sockets and devices (reading one could block for ever).
 
     With class sub-folders the first path component names the class (sorted, numbered from 0)
     and files lying directly in SOURCE, having no class, are ignored; a flat folder has no labels.
-    SOURCE may be a URL (s3://bucket/raw/): its objects are listed through fsspec.
+    SOURCE may be a URL (s3://bucket/raw/): its objects are listed through fsspec. An `output`
+    inside SOURCE is never an input (its staging folder and lock are hidden files anyway).
+    A file name that is not UTF-8 is reported unreadable: the dataset stores names as UTF-8.
     """
+    skip = _inside(output, source)
     if storage.is_url(source):
-        return _discover_url(source, accepts, seed, storage_options)
+        return _discover_url(source, accepts, seed, storage_options, skip)
     if not Path(source).is_dir():
         raise UsageError(f"SOURCE {source} is not a folder.")
     found: list[tuple[str, int, int]] = []
     ignored = 0
     unreadable: list[tuple[str, str]] = []
-    for rel, stat in walk_files(Path(source)):
-        if isinstance(stat, FolderError):
+    for rel, stat in walk_files(Path(source), skip):
+        if not _utf8(rel):
+            unreadable.append((_printable(rel), "the file name is not valid UTF-8; rename it to build it"))
+        elif isinstance(stat, FolderError):
             unreadable.append((rel, stat.strerror or str(stat)))
         elif not accepts(rel):
             ignored += 1
         elif isinstance(stat, OSError):
             unreadable.append((rel, stat.strerror or str(stat)))
+        elif not S_ISREG(stat.st_mode):
+            ignored += 1
         else:
             found.append((rel, stat.st_size, stat.st_mtime_ns))
     return _labelled(found, ignored, unreadable, seed)
 
 
+def _inside(output: str | None, source: str) -> str | None:
+    """`output`'s path relative to `source`, when it lies inside it."""
+    if output is None or storage.is_url(output) != storage.is_url(source):
+        return None
+    base = source.rstrip("/") + "/"
+    return output[len(base) :].rstrip("/") if output.startswith(base) else None
+
+
+def _utf8(name: str) -> bool:
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:  # undecodable bytes, kept by Python as surrogates
+        return False
+    return True
+
+
+def _printable(name: str) -> str:
+    return os.fsencode(name).decode("utf-8", "backslashreplace")
+
+
 def _discover_url(
-    source: str, accepts: Callable[[str], bool], seed: int | None, storage_options: Mapping[str, Any] | None
+    source: str,
+    accepts: Callable[[str], bool],
+    seed: int | None,
+    storage_options: Mapping[str, Any] | None,
+    skip: str | None,
 ) -> Discovery:
     """The objects under a URL; an object's stamp is its size and LastModified time."""
     fs, root = storage.locate(source, storage_options)
@@ -126,7 +167,7 @@ def _discover_url(
     found, ignored = [], 0
     for name, entry in sorted(listing.items()):
         rel = name[len(root) :].lstrip("/")
-        if any(part.startswith(".") for part in rel.split("/")):
+        if any(part.startswith(".") for part in rel.split("/")) or (skip and (rel + "/").startswith(skip + "/")):
             continue
         if not accepts(rel):
             ignored += 1

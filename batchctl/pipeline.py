@@ -185,7 +185,7 @@ class Pipeline:
                 reason = f"timed out after {timeout:g} s (--timeout); its worker was killed"
             else:
                 reason = f"the worker process preprocessing it died ({_exit_text(code)})"
-            self._done(TaskResult(task, 0, reason))
+            self._done(TaskResult(task, 0, reason, transient=True))
             accounted = True
         return accounted
 

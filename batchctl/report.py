@@ -14,6 +14,7 @@ Status = Literal["complete", "up_to_date", "interrupted", "failed"]
 class FileError:
     source: str
     error: str
+    retry: bool = False  # a transient failure (its worker died or timed out): the next run tries again
 
 
 @dataclass

@@ -31,6 +31,20 @@ def normalise(location: str | os.PathLike[str]) -> str:
     return text.rstrip("/") if is_url(text) else os.path.abspath(text)
 
 
+def default_output(source: str | os.PathLike[str]) -> str:
+    """SOURCE's own name plus `.zarr`, beside it: `data/` -> `data.zarr`, `s3://b/raw/` -> `s3://b/raw.zarr`."""
+    where = normalise(source)
+    if is_url(where):
+        scheme, _, path = where.partition("://")
+        parent, _, name = path.rpartition("/")
+        if not parent or not name:
+            raise UsageError(f"SOURCE {source} is a bucket's root: name OUTPUT with -o.")
+        return f"{scheme}://{parent}/{name}.zarr"
+    if where == os.path.dirname(where):
+        raise UsageError(f"SOURCE {source} is the root folder: name OUTPUT with -o.")
+    return where + ".zarr"
+
+
 def filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> Any:
     """The fsspec filesystem of `url` (one instance per URL scheme and options)."""
     return _filesystem(url.split("://", 1)[0], json.dumps(dict(storage_options or {}), sort_keys=True))

@@ -67,6 +67,7 @@ class TaskResult:
     task: Task
     samples: int
     error: str | None = None
+    transient: bool = False  # the error was the worker's fate (killed, timed out), not the file's
 
 
 class WorkerSlots:

@@ -54,3 +54,8 @@ def die_once(path: Path, name: str = "", marker: str = "", crop: int = 32) -> di
         Path(marker).touch()
         os.kill(os.getpid(), 9)
     return preprocess_image(path, resize=crop, crop=crop)
+
+
+def big_endian(path: Path) -> dict[str, np.ndarray]:
+    """A big-endian float field (some decoders give them), the file name's length six times."""
+    return {"be": np.full(6, len(path.name), dtype=">f4")}

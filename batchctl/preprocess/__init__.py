@@ -76,7 +76,7 @@ class Preprocessor:
         """Run the function; its samples stacked field by field (row i of each column is sample i)."""
         result = self.fn(path, **options) if part is None else self.fn(path, **options, part=part)
         if isinstance(result, Block):
-            columns = {str(k): np.asarray(v) for k, v in result.items()}
+            columns = {str(k): native(np.asarray(v)) for k, v in result.items()}
             if not columns or len({len(v) for v in columns.values()}) != 1:
                 raise ValueError("a Block needs fields with the same number of rows")
             return columns
@@ -90,7 +90,15 @@ class Preprocessor:
         for raw in stream:
             if not isinstance(raw, Mapping) or not raw:
                 raise TypeError(f"preprocessor {self.name} returned {type(raw).__name__}, expected a dict of arrays")
-            yield {str(k): np.asarray(v) for k, v in raw.items()}
+            yield {str(k): native(np.asarray(v)) for k, v in raw.items()}
+
+
+def native(array: np.ndarray) -> np.ndarray:
+    """The array in this machine's byte order: a big-endian field from some decoder is the same
+    field as a little-endian one, and is stored little-endian (docs/format.md)."""
+    if array.dtype.isnative:
+        return array
+    return array.astype(array.dtype.newbyteorder("="))
 
 
 def stack_samples(samples: list[Sample]) -> dict[str, np.ndarray]:

@@ -4,7 +4,8 @@ EXIF orientation is applied (the image is stored upright, as every viewer shows 
 reference does not do this, so only EXIF-rotated photos differ from it. JPEGs are decoded with
 Pillow's draft mode at the smallest DCT scale that still leaves at least `DRAFT_MARGIN` times the
 target size, which is several times faster for big photos and stays well within the accuracy
-bound (mean absolute difference <= 3 grey levels; tests/test_image.py measures it).
+bound (mean absolute difference <= 3 grey levels; tests/test_build.py measures it against the
+torchvision reference).
 """
 
 from __future__ import annotations
@@ -54,9 +55,26 @@ def load_resized(path: Path, resize: int, draft: bool = True) -> Image.Image:
             img.draft("RGB", (target[0] * DRAFT_MARGIN, target[1] * DRAFT_MARGIN))
         # exif_transpose copies the image even when there is nothing to turn: skip it then
         oriented = ImageOps.exif_transpose(img) if img.getexif().get(ORIENTATION, 1) != 1 else img
-        rgb = oriented.convert("RGB")
+        rgb = to_rgb(oriented)
     target = resized_size(rgb.width, rgb.height, resize)
     return rgb.resize(target, Image.Resampling.BILINEAR)
+
+
+def to_rgb(img: Image.Image) -> Image.Image:
+    """8-bit RGB. Pillow's own convert("RGB") clips 16-bit and 32-bit greyscale at 255 (a flat
+    white picture); these are scaled to 8 bits instead: 16-bit and integer images by 1/257, float
+    images in [0, 1] by 255, anything else by its own range."""
+    if img.mode.startswith("I;16") or img.mode in ("I", "F"):
+        values = np.asarray(img, dtype=np.float64)
+        low, high = float(values.min()), float(values.max())
+        if img.mode == "F" and low >= 0 and high <= 1:
+            scaled = values * 255
+        elif img.mode != "F" and low >= 0 and high <= 65535:
+            scaled = values / 257
+        else:
+            scaled = (values - low) * (255 / (high - low or 1))
+        img = Image.fromarray(np.clip(scaled.round(), 0, 255).astype(np.uint8))
+    return img.convert("RGB")
 
 
 def preprocess_image(
