@@ -112,7 +112,8 @@ def build(
 class _Builder:
     def __init__(self, source: str, output: str, options: BuildOptions, progress: Progress) -> None:
         self.source, self.output, self.options, self.progress = source, output, options, progress
-        self.preprocessor = dataclasses.replace(resolve(options.preprocess), include=tuple(options.include))
+        resolved = resolve(options.preprocess)
+        self.preprocessor = dataclasses.replace(resolved, include=tuple(options.include) or resolved.include)
         self.pp_options = self.preprocessor.options(options.preprocess_options)
         self.spec = dataset_spec(options, self.preprocessor, self.pp_options)
         self.paths = BuildPaths(output, options.storage_options)

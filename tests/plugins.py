@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from batchctl.preprocess import takes
 from batchctl.preprocess.image import preprocess_image
 
 
@@ -59,3 +60,9 @@ def die_once(path: Path, name: str = "", marker: str = "", crop: int = 32) -> di
 def big_endian(path: Path) -> dict[str, np.ndarray]:
     """A big-endian float field (some decoders give them), the file name's length six times."""
     return {"be": np.full(6, len(path.name), dtype=">f4")}
+
+
+@takes("*.bin")
+def bin_length(path: Path, scale: int = 1) -> dict[str, np.ndarray]:
+    """Declares its files: only `.bin` files are samples (a README.md beside them is not)."""
+    return {"length": np.int64(path.stat().st_size * scale)}

@@ -191,3 +191,31 @@ def test_a_plugins_big_endian_field_is_stored_little_endian(tmp_path: Path) -> N
     row = ds.sample(0)
     assert np.asarray(row["be"]).dtype.str == "<f4"
     assert np.asarray(row["be"]).tolist() == [float(len(str(row["source"])))] * 6
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [(["--option", "lenght=48"], "lenght"), (["--resize", "32"], "resize")],
+)
+def test_an_option_the_plugin_does_not_take_is_refused_before_any_work(
+    classes: Path, tmp_path: Path, extra: list[str], named: str
+) -> None:
+    out = tmp_path / "o.zarr"
+    result = run_cli("build", classes, "-o", out, "--preprocess", f"{PLUGINS}:slow_image", *extra)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1 and named in result.stderr and "crop, delay" in result.stderr
+    assert not out.exists() and not (tmp_path / ".o.zarr.batchctl").exists()
+
+
+def test_a_plugin_declares_the_files_it_takes(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(3):
+        (src / f"f{i}.bin").write_bytes(bytes(i + 1))
+    (src / "README.md").write_text("about these files")
+    report = tmp_path / "r.json"
+    plugin = f"{PLUGINS}:bin_length"
+    result = run_cli("build", src, "-o", tmp_path / "o.zarr", "--preprocess", plugin, "--report", report)
+    assert result.returncode == 0, result.stderr
+    data = json.loads(report.read_text())
+    assert data["samples"] == 3 and data["ignored"] == 1 and data["errors"] == []

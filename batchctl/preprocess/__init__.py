@@ -11,6 +11,7 @@ import fnmatch
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import os
 import sys
 from collections.abc import Callable, Iterator, Mapping
@@ -46,7 +47,7 @@ class Preprocessor:
     # (cheaply, from the header), and `fn` then takes `part=(start, stop)` to yield just those,
     # so a big file is split into parts that several workers take.
     count: Callable[..., int | None] | None = None
-    include: tuple[str, ...] = ()  # --include globs: replace the extension filter when given
+    include: tuple[str, ...] = ()  # globs (--include, or a plugin's own `takes`): replace the extension filter
     check: Callable[[Mapping[str, Any]], None] | None = None  # raises UsageError for bad options
 
     def accepts(self, relpath: str) -> bool:
@@ -58,17 +59,33 @@ class Preprocessor:
         return relpath.lower().endswith(self.extensions)
 
     def options(self, given: Mapping[str, Any]) -> dict[str, Any]:
-        """Defaults overlaid with the given options, refusing names the preprocessor lacks."""
-        unknown = sorted(set(given) - set(self.defaults))
-        if unknown and self.defaults:
-            raise UsageError(
-                f"Preprocessor {self.name!r} takes options {', '.join(sorted(self.defaults))}; "
-                f"got {', '.join(unknown)} instead."
-            )
+        """Defaults overlaid with the given options, refusing names the preprocessor lacks and
+        (for a plugin) checking them against its signature: before any work, not once per file."""
+        accepted, required = self._parameters()
+        unknown = sorted(set(given) - accepted) if accepted is not None else []
+        if unknown:
+            takes = f"takes options {', '.join(sorted(accepted or ()))}" if accepted else "takes no options"
+            raise UsageError(f"Preprocessor {self.name!r} {takes}; got {', '.join(unknown)} instead.")
+        missing = sorted(required - set(given))
+        if missing:
+            raise UsageError(f"Preprocessor {self.name!r} needs --option {'=..., --option '.join(missing)}=...")
         merged = {**self.defaults, **given}
         if self.check is not None:
             self.check(merged)
         return merged
+
+    def _parameters(self) -> tuple[set[str] | None, set[str]]:
+        """The option names the function takes (None: any, it has **kwargs) and those it needs."""
+        if self.defaults:
+            return set(self.defaults), set()
+        try:
+            params = list(inspect.signature(self.fn).parameters.values())[1:]  # after the path
+        except (TypeError, ValueError):  # no signature to read (some builtins): let it be
+            return None, set()
+        if any(p.kind is p.VAR_KEYWORD for p in params):
+            return None, set()
+        named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "part"]
+        return {p.name for p in named}, {p.name for p in named if p.default is p.empty}
 
     def columns(
         self, path: Path, options: Mapping[str, Any], part: tuple[int, int] | None = None
@@ -139,7 +156,21 @@ def resolve(spec: str) -> Preprocessor:
         raise UsageError(f"--preprocess {spec}: {where} has no function {attr!r}.")
     if not callable(fn):
         raise UsageError(f"--preprocess {spec}: {attr!r} is a {type(fn).__name__}, not a function.")
-    return Preprocessor(name=f"{where}:{attr}", fn=fn)
+    return Preprocessor(name=f"{where}:{attr}", fn=fn, include=tuple(getattr(fn, FILES_ATTRIBUTE, ())))
+
+
+FILES_ATTRIBUTE = "batchctl_files"
+
+
+def takes(*globs: str) -> Callable[[PreprocessFn], PreprocessFn]:
+    """Declare the files a plugin preprocesses, as globs matched against the file name or the
+    relative path (`@takes("*.wav", "*.flac")`); other files are ignored. `--include` overrides it."""
+
+    def declare(fn: PreprocessFn) -> PreprocessFn:
+        setattr(fn, FILES_ATTRIBUTE, tuple(globs))
+        return fn
+
+    return declare
 
 
 def _load_module(where: str, spec: str) -> ModuleType:
