@@ -3,7 +3,7 @@
 import signal
 import sys
 
-from batchctl.errors import Signalled
+from batchctl.errors import Signalled, signalled_in
 
 
 def _raise_signalled(signum: int, frame: object) -> None:
@@ -17,8 +17,11 @@ def main() -> None:
         signal.signal(sig, _raise_signalled)
     try:
         from batchctl.cli import run
-    except Signalled as sig:  # while still importing
-        sys.exit(128 + sig.signum)
+    except (Signalled, Exception) as exc:  # a signal while still importing (perhaps wrapped)
+        signalled = signalled_in(exc)
+        if signalled is None:
+            raise
+        sys.exit(128 + signalled.signum)
     run()
 
 

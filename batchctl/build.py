@@ -18,7 +18,15 @@ from batchctl import __version__, staging, storage
 from batchctl import format as fmt
 from batchctl.collate import CollatorConfig, Finished, Rejected
 from batchctl.discover import Discovery, WorkItem, discover
-from batchctl.errors import BuildFailed, BuildInterrupted, FormatError, ResumeMismatchError, Signalled, UsageError
+from batchctl.errors import (
+    BuildFailed,
+    BuildInterrupted,
+    FormatError,
+    ResumeMismatchError,
+    Signalled,
+    UsageError,
+    signalled_in,
+)
 from batchctl.pipeline import Pipeline, PipelineConfig, PipelineError
 from batchctl.preprocess import Preprocessor, resolve
 from batchctl.processes import signals_raise, sweep_dead_builds
@@ -131,15 +139,17 @@ class _Builder:
         with BuildLock(self.paths.lock), signals_raise():
             try:
                 return self._run_locked()
-            except Signalled as sig:
-                self._end("interrupted", "interrupted; rerun the same command to resume")
-                raise BuildInterrupted(sig.signum, self.report) from None
-            except (PipelineError, OSError) as exc:
-                text = str(exc) if isinstance(exc, PipelineError) else _os_error_text(exc)
-                self._end("failed", text)
-                raise BuildFailed(text, self.report) from None
-            except BuildFailed as exc:
-                self._end("failed", str(exc))
+            except (Signalled, Exception) as exc:
+                signalled = signalled_in(exc)
+                if signalled is not None:
+                    self._end("interrupted", "interrupted; rerun the same command to resume")
+                    raise BuildInterrupted(signalled.signum, self.report) from None
+                if isinstance(exc, (PipelineError, OSError)):
+                    text = str(exc) if isinstance(exc, PipelineError) else _os_error_text(exc)
+                    self._end("failed", text)
+                    raise BuildFailed(text, self.report) from None
+                if isinstance(exc, BuildFailed):
+                    self._end("failed", str(exc))
                 raise
 
     def _run_locked(self) -> BuildReport:
@@ -339,6 +349,7 @@ class _Builder:
             num_shards=finished.shards if finished else 0,
             errors=len(self.report.errors),
             ignored=discovery.ignored,
+            skipped=[[error.source, error.error] for error in self.report.errors[: fmt.MAX_SKIPPED_LISTED]],
         )
 
     def _publish(self, discovery: Discovery, fingerprint: str, finished: Finished) -> None:

@@ -16,10 +16,10 @@ from typing import Annotated, Any, NoReturn, Optional
 import typer
 
 from batchctl import __version__
-from batchctl.errors import BatchctlError, BuildFailed, BuildInterrupted, Signalled, UsageError
+from batchctl.errors import BatchctlError, BuildFailed, BuildInterrupted, Signalled, UsageError, signalled_in
 from batchctl.processes import start_forkserver
 from batchctl.progress import ConsoleProgress
-from batchctl.report import BuildReport
+from batchctl.report import BuildReport, count_of
 from batchctl.storage import parse_storage_options
 
 EXIT_CODES = """Exit codes: 0 success or up to date; 1 failed build; 2 usage error;
@@ -222,8 +222,10 @@ def info(
 def _describe(data: dict[str, Any]) -> str:
     lines = [
         f"{data['path']}: {'complete' if data['complete'] else 'NOT COMPLETE'}",
-        f"  samples {data['num_samples']}, batches {data['num_batches']} of {data['batch_size']}, "
-        f"shards {data['num_shards']} of {data['shard_batches']} batches, {data['bytes'] / 2**20:.1f} MiB on disk",
+        f"  {count_of(data['num_samples'], 'sample')}, "
+        f"{count_of(data['num_batches'], 'batch')} of {data['batch_size']}, "
+        f"{count_of(data['num_shards'], 'shard')} of {data['shard_batches']} batches, "
+        f"{data['bytes'] / 2**20:.1f} MiB on disk",
         f"  compression {data['compression']}; preprocess {json.dumps(data['preprocess'])}",
         f"  built {data['created']} by batchctl {data['batchctl_version']} from {data['source']}",
         f"  skipped with errors {data['errors']}, ignored {data['ignored']}",
@@ -237,7 +239,16 @@ def _describe(data: dict[str, Any]) -> str:
         )
     if data["class_counts"]:
         lines.append("  classes: " + ", ".join(f"{k} {v}" for k, v in data["class_counts"].items()))
+    if data["skipped"]:
+        lines.append("  skipped:")
+        lines += [f"    {entry['source']}: {entry['error']}" for entry in data["skipped"][:SKIPPED_SHOWN]]
+        if data["errors"] > SKIPPED_SHOWN:
+            lines.append(f"    ... and {data['errors'] - SKIPPED_SHOWN} more (info --json lists up to 1000)")
     return "\n".join(lines)
+
+
+SKIPPED_SHOWN = 20
+
 
 
 @app.command(epilog=EXIT_CODES)
@@ -328,9 +339,12 @@ def run() -> None:
         code = getattr(exc, "exit_code", 2)
     except typer.Abort:  # Click's own handling of an end of input
         code = 1
-    except Signalled as sig:  # e.g. while parsing or starting: no traceback, exit 130/143
+    except (Signalled, Exception) as exc:  # a signal while parsing or starting: no traceback, 130/143
+        signalled = signalled_in(exc)
+        if signalled is None:
+            raise
         typer.echo("batchctl: interrupted.", err=True)
-        code = 128 + sig.signum
+        code = 128 + signalled.signum
     finally:  # the command is over: a signal from now on must not raise inside interpreter exit
         for stop in (signal.SIGINT, signal.SIGTERM):
             signal.signal(stop, signal.SIG_IGN)

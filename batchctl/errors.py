@@ -16,6 +16,20 @@ class Signalled(BaseException):
         self.signum = signum
 
 
+def signalled_in(exc: BaseException) -> Signalled | None:
+    """The `Signalled` an exception is, or was raised from: Python wraps an exception raised in
+    some places (3.11: a RuntimeError for one raised during a class's `__set_name__`, which a
+    signal during an import can be), and the interrupt must still end the command as one."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, Signalled):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
 class BatchctlError(Exception):
     """Base of every error batchctl raises for a user's mistake or a failed build."""
 
@@ -26,6 +40,10 @@ class UsageError(BatchctlError, ValueError):
 
 class FormatError(BatchctlError, ValueError):
     """A path is not a batchctl dataset, or its metadata breaks docs/format.md."""
+
+
+class DatasetReplacedError(FormatError):
+    """A build replaced the dataset after it was opened: open it again to read the new one."""
 
 
 class IncompleteDatasetError(BatchctlError):

@@ -21,7 +21,11 @@ def info(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None
     fields = {}
     for name, arr in ds.arrays.items():
         stored = storage.tree_bytes(f"{ds.path}/{name}", ds.storage_options)
-        raw = arr.nbytes if arr.dtype.kind != "T" else None
+        # what the stored chunks hold uncompressed: whole batches (the last one padded), so a field
+        # stored raw shows 1.0 however short its last batch
+        row_bytes = int(np.prod(arr.shape[1:])) * arr.dtype.itemsize
+        raw = ds.num_batches * ds.batch_size * row_bytes if arr.dtype.kind != "T" else None
+        chunk_bytes = _chunk_bytes(ds, name, arr)
         fields[name] = {
             "shape": list(arr.shape[1:]),
             "dtype": "str" if arr.dtype.kind == "T" else str(arr.dtype),
@@ -31,11 +35,12 @@ def info(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None
             if arr.shards
             else [],
             "stored_bytes": stored,
-            "ratio": round(raw / stored, 2) if raw and stored else None,
+            "ratio": round(raw / chunk_bytes, 2) if raw and chunk_bytes else None,
         }
     histogram = None
     if ds.classes is not None and fmt.LABEL in ds.arrays:
-        counts = np.bincount(np.asarray(ds.arrays[fmt.LABEL][: ds.num_samples]), minlength=len(ds.classes))
+        labels = [ds.read_field(fmt.LABEL, i) for i in range(ds.num_batches)]  # damage: a FormatError
+        counts = np.bincount(np.concatenate(labels) if labels else [], minlength=len(ds.classes))
         histogram = {name: int(n) for name, n in zip(ds.classes, counts, strict=False)}
     return {
         "path": ds.path,
@@ -52,12 +57,20 @@ def info(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None
         "compression": attrs.compression,
         "preprocess": attrs.preprocess,
         "errors": attrs.errors,
+        "skipped": [{"source": source, "error": error} for source, error in attrs.skipped],
         "ignored": attrs.ignored,
         "source": attrs.source,
         "created": attrs.created,
         "batchctl_version": attrs.batchctl_version,
         "format_version": attrs.format_version,
     }
+
+
+def _chunk_bytes(ds: Dataset, name: str, arr: Any) -> int:
+    """The bytes of an array's stored chunks: its shard files less their indexes."""
+    shards = -(-ds.num_samples // int(arr.shards[0])) if arr.shards else 0
+    index_bytes = (int(arr.shards[0]) // int(arr.chunks[0]) * 16 + 4) if arr.shards else 0
+    return storage.tree_bytes(f"{ds.path}/{name}/c", ds.storage_options) - shards * index_bytes
 
 
 @dataclass(frozen=True)

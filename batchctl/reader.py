@@ -18,7 +18,7 @@ import numpy as np
 
 from batchctl import format as fmt
 from batchctl import storage
-from batchctl.errors import BatchctlError
+from batchctl.errors import BatchctlError, FormatError
 
 Batch = dict[str, np.ndarray]
 
@@ -34,18 +34,21 @@ class Dataset:
     ) -> None:
         self.path = storage.normalise(path)
         self.storage_options = dict(storage_options or {})
+        # a local dataset's folder is held open first: what is read next is of this version
+        self._root = None if storage.is_url(self.path) else fmt.DatasetRoot(Path(self.path))
         self.group, self.attrs = fmt.open_group(self.path, allow_partial, self.storage_options)
-        self.arrays = fmt.open_arrays(self.group)
+        self.arrays = fmt.open_dataset_arrays(self.group, self.attrs, self.path)
         self.batch_size = self.attrs.batch_size
         self.num_samples = self.attrs.num_samples if self.attrs.complete else self._rows_present()
         self.num_batches = fmt.num_batches(self.num_samples, self.batch_size)
         self.classes: list[str] | None = self.attrs.classes
-        # shard files are mapped straight from a local disk; a URL is read through zarr
-        local = not storage.is_url(self.path)
+        # shard files are read straight from a local disk; a URL, or a layout batchctl does not
+        # write, is read through zarr (which reads a missing shard as fill values: checked first)
         self._fast = {
-            name: fmt.ChunkReader.for_array(Path(self.path), arr) if local else None
+            name: fmt.ChunkReader.for_array(self._root, arr) if self._root else None
             for name, arr in self.arrays.items()
         }
+        self._present: set[tuple[str, int]] = set()
 
     def _rows_present(self) -> int:
         return min((arr.shape[0] for arr in self.arrays.values()), default=0)
@@ -59,6 +62,10 @@ class Dataset:
         return self.num_batches
 
     def __getitem__(self, index: int) -> Batch:
+        return {name: self.read_field(name, index) for name in self.arrays}
+
+    def read_field(self, name: str, index: int) -> np.ndarray:
+        """Batch `index` of one field alone."""
         if not isinstance(index, (int, np.integer)):
             raise TypeError(f"Expected a batch index (int), got {type(index).__name__} instead.")
         if index < 0:
@@ -67,17 +74,47 @@ class Dataset:
             raise IndexError(f"batch {index} out of range: the dataset has {self.num_batches} batches")
         start = int(index) * self.batch_size
         stop = min(start + self.batch_size, self.num_samples)
-        batch = {}
-        for name, arr in self.arrays.items():
-            reader = self._fast[name]
-            batch[name] = reader.read(int(index))[: stop - start] if reader else np.asarray(arr[start:stop])
-        return batch
+        reader = self._fast[name]
+        if reader is None:
+            return self._read_zarr(name, self.arrays[name], start, stop)
+        return reader.read(int(index))[: stop - start]
+
+    def _read_zarr(self, name: str, arr: Any, start: int, stop: int) -> np.ndarray:
+        shard = start // int(arr.shards[0] if arr.shards else arr.chunks[0])
+        if (name, shard) not in self._present:
+            key = fmt.shard_keys({name: arr}, shard)[0]
+            fs, root = storage.locate(self.path, self.storage_options)
+            if not fs.exists(f"{root}/{key}"):
+                if self._root is not None:
+                    self._root.check_current()
+                raise FormatError(f"{self.path}: {name} shard {shard} is missing (no object {key})")
+            self._present.add((name, shard))
+        try:
+            rows = np.asarray(arr[start:stop])
+        except FormatError:
+            raise
+        except (RuntimeError, ValueError) as exc:  # what the decoders raise on bad bytes
+            raise FormatError(f"{self.path}: {name} rows {start}-{stop}: corrupt data ({exc})") from exc
+        if self._root is not None:
+            self._root.check_current()  # zarr read by path: the rows must be of the opened version
+        return rows
+
+    def close(self) -> None:
+        """Let go of the dataset's folder (garbage collection does it too)."""
+        if self._root is not None:
+            self._root.close()
+
+    def __del__(self) -> None:
+        root = getattr(self, "_root", None)
+        if root is not None:
+            root.close()
 
     def sample(self, index: int) -> dict[str, Any]:
-        """Row `index` of every array."""
+        """Row `index` of every array (read through its batch, with the batch's checks)."""
         if not 0 <= index < self.num_samples:
             raise IndexError(f"sample {index} out of range: the dataset has {self.num_samples} samples")
-        return {name: arr[index] for name, arr in self.arrays.items()}
+        batch, row = divmod(index, self.batch_size)
+        return {name: column[row] for name, column in self[batch].items()}
 
     def batch_order(
         self, shuffle: bool = False, seed: int = 0, epoch: int = 0, rank: int = 0, world_size: int = 1
@@ -106,7 +143,10 @@ class Dataset:
         prefetch: int = 2,
     ) -> Iterator[Batch]:
         """Yield this rank's batches for one epoch, `prefetch` batches read ahead in threads."""
-        order = self.batch_order(shuffle, seed, epoch, rank, world_size)
+        return self.iter_order(self.batch_order(shuffle, seed, epoch, rank, world_size), prefetch)
+
+    def iter_order(self, order: list[int], prefetch: int = 2) -> Iterator[Batch]:
+        """Yield the batches `order` names, in that order, `prefetch` read ahead in threads."""
         if prefetch <= 0:
             yield from (self[i] for i in order)
             return

@@ -53,14 +53,20 @@ class BuildReport:
             )
         verb = "Built"
         text = (
-            f"{verb} {self.output}: {self.samples} samples in {self.batches} batches, "
-            f"{self.shards} shards, {_size(self.bytes)}; {self.processed} files preprocessed"
+            f"{verb} {self.output}: {count_of(self.samples, 'sample')} in {count_of(self.batches, 'batch')}, "
+            f"{count_of(self.shards, 'shard')}, {_size(self.bytes)}; {count_of(self.processed, 'file')} preprocessed"
         )
         if self.resumed_shards:
-            text += f" ({self.resumed_shards} shards kept from an interrupted run)"
+            text += f" ({count_of(self.resumed_shards, 'shard')} kept from an interrupted run)"
         text += f", {len(self.errors)} skipped with errors, {self.ignored} ignored; "
         text += f"{self.elapsed_s:.1f} s, {self.samples_per_s:.1f} samples/s."
         return text
+
+
+def count_of(n: int, noun: str) -> str:
+    """`1 batch`, `2 batches`."""
+    plural = noun + ("es" if noun.endswith("ch") else "s")
+    return f"{n} {noun if n == 1 else plural}"
 
 
 def _size(nbytes: int) -> str:

@@ -29,7 +29,8 @@ def to_torch(batch: Batch) -> dict[str, Any]:
 
 
 class _Lazy:
-    """Opens the dataset in whichever process first reads it (DataLoader workers each get their own)."""
+    """The dataset, opened here to learn its length and opened again in each process it is
+    pickled to (DataLoader workers each get their own)."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
@@ -58,7 +59,8 @@ class BatchDataset(TorchDataset[dict[str, Any]]):
 
 
 class IterableBatches(IterableDataset[dict[str, Any]]):
-    """Each (rank, DataLoader worker) reads a disjoint, equal share of the epoch's batches."""
+    """Each rank reads a disjoint, equally long share of the epoch's batches (as DDP needs), and
+    the DataLoader workers of a rank split that share between them, none left out."""
 
     def __init__(self, path: str | os.PathLike[str], shuffle: bool = True, seed: int = 0, prefetch: int = 2) -> None:
         self._lazy = _Lazy(path)
@@ -67,17 +69,14 @@ class IterableBatches(IterableDataset[dict[str, Any]]):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def _shard(self) -> tuple[int, int]:
+    def _order(self) -> list[int]:
         rank, world = (
             (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
         )
+        order = self._lazy.dataset.batch_order(self.shuffle, self.seed, self.epoch, rank, world)
         worker = get_worker_info()
-        if worker is None:
-            return rank, world
-        return rank * worker.num_workers + worker.id, world * worker.num_workers
+        return order if worker is None else order[worker.id :: worker.num_workers]
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        rank, world = self._shard()
-        batches = self._lazy.dataset.iter_batches(self.shuffle, self.seed, self.epoch, rank, world, self.prefetch)
-        for batch in batches:
+        for batch in self._lazy.dataset.iter_order(self._order(), self.prefetch):
             yield to_torch(batch)

@@ -10,6 +10,9 @@ from PIL import Image
 
 def torchvision_reference(path: Path, resize: int = 256, crop: int = 224) -> np.ndarray:
     with Image.open(path) as img:
+        if img.mode.startswith("I;16") or img.mode == "I":  # PIL's convert clips these at 255 (flat
+            # white); batchctl scales 16-bit grey to 8 bits instead (docs/preprocessors.md), as here
+            img = Image.fromarray((np.asarray(img, dtype=np.float64) / 257).round().astype(np.uint8))
         rgb = img.convert("RGB")
     w, h = rgb.size
     short, long = min(w, h), max(w, h)

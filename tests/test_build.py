@@ -159,10 +159,17 @@ def test_seed_makes_the_dispatch_order_repeatable(image_folder: Path, tmp_path: 
         assert result.returncode == 0, result.stderr
         return [str(s) for s in zarr.open_group(str(out))["source"][:]]
 
-    unseeded, seed1, seed1_again, seed2 = order(), order("--seed", "1"), order("--seed", "1"), order("--seed", "2")
-    assert unseeded == sorted(unseeded)
-    assert seed1 == seed1_again and seed1 != seed2 and seed1 != unseeded
-    assert sorted(seed1) == sorted(unseeded)
+    ordered, default, seed1, seed1_again, seed2 = (
+        order("--sorted"),
+        order(),
+        order("--seed", "1"),
+        order("--seed", "1"),
+        order("--seed", "2"),
+    )
+    assert ordered == sorted(ordered)
+    assert default != ordered and default == order("--seed", "0")  # shuffled by default, with seed 0
+    assert seed1 == seed1_again and seed1 != seed2 and seed1 != default
+    assert sorted(seed1) == sorted(ordered)
 
 
 def last_codec(out: Path, name: str) -> dict[str, Any]:

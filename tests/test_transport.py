@@ -86,6 +86,6 @@ def test_shards_written_by_batchctl_read_back_in_zarr(tmp_path: Path, compressio
     reopened = zarr.open_group(tmp_path / "d.zarr", mode="r")
     for name, column in columns.items():
         assert np.array_equal(reopened[name][:], column), name
-    reader = fmt.ChunkReader.for_array(tmp_path / "d.zarr", reopened["x"])
+    reader = fmt.ChunkReader.for_array(fmt.DatasetRoot(tmp_path / "d.zarr"), reopened["x"])
     assert reader is not None
     assert np.array_equal(reader.read(6)[:3], columns["x"][24:27])
