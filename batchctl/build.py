@@ -188,6 +188,7 @@ class _Builder:
                 shard_batches=self.options.shard_batches,
                 compression=self.options.compression,
                 labelled=discovery.classes is not None,
+                source_bytes=fmt.source_width(item.relpath for item in discovery.items),
                 resume_shards=self.report.resumed_shards,
             ),
         )

@@ -33,6 +33,7 @@ class CollatorConfig:
     shard_batches: int | None
     compression: str
     labelled: bool
+    source_bytes: int  # the width of the `source` array (the longest input path's UTF-8 bytes)
     resume_shards: int = 0
 
 
@@ -132,7 +133,13 @@ class Collator:
         shard_batches = self.config.shard_batches or fmt.default_shard_batches(self.config.batch_size, self.schema)
         self.layout = fmt.Layout(self.config.batch_size, shard_batches)
         self.arrays = fmt.create_arrays(
-            self.group, self.schema, self.layout, self.config.compression, self.config.labelled, rows
+            self.group,
+            self.schema,
+            self.layout,
+            self.config.compression,
+            self.config.labelled,
+            self.config.source_bytes,
+            rows,
         )
         self.shard = self._new_shard()
 
@@ -205,7 +212,7 @@ class Collator:
     def _store(self, index: int, shard: _Shard, journal: bool) -> None:
         assert self.layout is not None
         columns = {name: col[: shard.rows] for name, col in shard.columns.items()}
-        columns[fmt.SOURCE] = np.array(shard.sources, dtype=object)
+        columns[fmt.SOURCE] = np.array(shard.sources, dtype=object)  # encoded by the format
         fmt.write_shard(self.arrays, self.layout, index, columns)
         written = self._make_durable(index)
         self.nbytes += written

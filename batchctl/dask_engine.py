@@ -215,7 +215,8 @@ class DaskRun:
         shard_batches = self._shard_batches(tasks, schema, client)
         layout = fmt.Layout(self.options.batch_size, shard_batches)
         groups = plan_groups(tasks, layout.shard_rows, _expected_rows)
-        arrays = fmt.create_arrays(self.group, schema, layout, self.options.compression, self.labelled, rows)
+        width = fmt.source_width(task.item.relpath for task in tasks)
+        arrays = fmt.create_arrays(self.group, schema, layout, self.options.compression, self.labelled, width, rows)
         for arr in arrays.values():  # sized for every group's shard up front: tasks write no metadata
             arr.resize((len(groups) * layout.shard_rows, *arr.shape[1:]))
         spill_dir = f"{self.paths.workdir_url}/spill"

@@ -14,7 +14,7 @@ import math
 import mmap
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +32,7 @@ from zarr.core.sync import sync
 from batchctl import storage
 from batchctl.errors import DatasetReplacedError, FormatError, IncompleteDatasetError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: `source` as UTF-8 bytes in a uint8 array (core Zarr v3 types only)
 ATTRS_KEY = "batchctl"
 SOURCE = "source"
 SOURCE_INDEX = "source_index"
@@ -177,21 +177,45 @@ def num_batches(num_samples: int, batch_size: int) -> int:
     return -(-num_samples // batch_size)
 
 
+def source_width(relpaths: Iterable[str]) -> int:
+    """The width of the `source` array: the longest path's UTF-8 bytes (at least 1)."""
+    return max((len(path.encode("utf-8")) for path in relpaths), default=1) or 1
+
+
+def encode_sources(sources: Sequence[str] | np.ndarray, width: int) -> np.ndarray:
+    """Paths as rows of `width` UTF-8 bytes, zero-padded (no path holds a NUL byte)."""
+    raw = [str(path).encode("utf-8") for path in sources]
+    longest = max(map(len, raw), default=0)
+    if longest > width:
+        raise FormatError(f"a source path of {longest} bytes does not fit the dataset's {width}-byte source array")
+    return np.array(raw, dtype=f"S{width}").view(np.uint8).reshape(len(raw), width)
+
+
+def decode_sources(rows: np.ndarray) -> np.ndarray:
+    """The `source` array's rows (zero-padded UTF-8 bytes) as strings."""
+    rows = np.ascontiguousarray(rows, dtype=np.uint8)
+    width = rows.shape[-1] if rows.ndim else 1
+    return np.char.decode(rows.view(f"S{width}").reshape(rows.shape[:-1]), "utf-8")
+
+
 def create_arrays(
     group: zarr.Group,
     schema: Schema,
     layout: Layout,
     compression: str,
     labelled: bool,
+    source_bytes: int,
     rows: Mapping[str, np.ndarray] | None = None,
 ) -> dict[str, zarr.Array]:
     """Create every array empty (shape 0); rows are added shard by shard with `write_shard`.
-    `rows`, the first rows of each field, are what `auto` compression measures."""
+    `source_bytes` is the `source` array's width; `rows`, the first rows of each field, are what
+    `auto` compression measures. Only core Zarr v3 data types, so that every array opens in
+    tensorstore, Rust zarrs and anything else that reads Zarr v3."""
     compressions = field_compressions(compression, schema, layout.batch_size, rows or {})
     columns: dict[str, tuple[tuple[int, ...], Any]] = {name: (spec.shape, spec.dtype) for name, spec in schema.items()}
     if labelled:
         columns[LABEL] = ((), "int64")
-    columns[SOURCE] = ((), str)
+    columns[SOURCE] = ((source_bytes,), "uint8")
     columns[SOURCE_INDEX] = ((), "int64")
     arrays = {}
     for name, (row_shape, dtype) in columns.items():
@@ -202,10 +226,17 @@ def create_arrays(
             chunks=(layout.batch_size, *row_shape),
             shards=(layout.shard_rows, *row_shape),
             compressors=_compressors(compressions.get(name, "zstd" if compression == "auto" else compression)),
-            dimension_names=("sample", *(f"dim_{i}" for i in range(len(row_shape)))),
+            dimension_names=("sample", *dimension_names(name, len(row_shape))),
             config=WRITE_CONFIG,
         )
     return arrays
+
+
+def dimension_names(name: str, ndim: int) -> list[str]:
+    """Each field's own names for its row dimensions (xarray needs names of one size throughout)."""
+    if name == SOURCE:
+        return ["source_byte"]
+    return [f"{name}_dim{i}" for i in range(ndim)]
 
 
 def open_arrays(group: zarr.Group) -> dict[str, zarr.Array]:
@@ -252,11 +283,18 @@ def write_shard(
     start = shard_index * layout.shard_rows
     rows = len(next(iter(columns.values())))
     for name, arr in arrays.items():
-        data = columns[name]
+        data = stored_column(arr, name, columns[name])
         if len(data) != rows:
             raise FormatError(f"shard {shard_index}: column {name} has {len(data)} rows, expected {rows}")
         arr.resize((start + rows, *arr.shape[1:]))
         _write_whole_shard(arr, layout, shard_index, data)
+
+
+def stored_column(arr: zarr.Array, name: str, column: Any) -> np.ndarray:
+    """A column as its array stores it: `source` paths (strings) as their UTF-8 bytes."""
+    if name == SOURCE and np.asarray(column).dtype.kind in "OUT":
+        return encode_sources(column, int(arr.shape[1]))
+    return np.asarray(column)
 
 
 def _write_whole_shard(arr: zarr.Array, layout: Layout, shard_index: int, data: np.ndarray) -> None:
@@ -295,7 +333,7 @@ def _encode_shard(arr: zarr.Array, layout: Layout, data: np.ndarray) -> list[Any
     left to zarr."""
     inner = own_codecs(arr)
     names = [codec["name"] for codec in inner or ()]
-    if inner is None or names not in (["bytes", "zstd"], ["bytes", "crc32c"]) or arr.dtype.kind == "T":
+    if inner is None or names not in (["bytes", "zstd"], ["bytes", "crc32c"]):
         return None
     zstd_config = inner[1].get("configuration") or {} if names[1] == "zstd" else None
     codec = None if zstd_config is None else numcodecs.Zstd(**zstd_config)
@@ -329,7 +367,7 @@ def write_shard_at(
     write, so several processes may each write their own shards at once (the Dask engine)."""
     start = shard_index * layout.shard_rows
     for name, arr in arrays.items():
-        data = columns[name]
+        data = stored_column(arr, name, columns[name])
         if start + len(data) > arr.shape[0]:
             raise FormatError(f"shard {shard_index}: {name} ends at row {arr.shape[0]}, before {start + len(data)}")
         arr[start : start + len(data)] = data
@@ -418,8 +456,8 @@ def own_codecs(arr: zarr.Array) -> list[dict[str, Any]] | None:
     (`ChunkReader`, `_encode_shard`), else None and zarr-python does the work:
     `sharding_indexed` with the index at the end (little-endian uint64 offset/nbytes pairs plus
     crc32c), one chunk across all but the first dimension, inner codecs bytes + zstd,
-    bytes + blosc + crc32c, or bytes + crc32c, little-endian numbers or vlen-utf8 strings."""
-    if arr.dtype.kind not in "biufT" or not arr.shards:
+    bytes + blosc + crc32c, or bytes + crc32c, little-endian numbers."""
+    if arr.dtype.kind not in "biuf" or not arr.shards:
         return None
     (codec,) = arr.metadata.codecs  # type: ignore[union-attr]
     sharding: dict[str, Any] = json.loads(json.dumps(codec.to_dict()))
@@ -427,10 +465,6 @@ def own_codecs(arr: zarr.Array) -> list[dict[str, Any]] | None:
     inner = list(config.get("codecs", ()))
     names = [codec["name"] for codec in inner]
     index_names = [codec["name"] for codec in config.get("index_codecs", ())]
-    if names and names[0] == "vlen-utf8":  # the `source` strings
-        names[0] = "bytes"
-    elif arr.dtype.kind == "T":
-        return None
     endian = (inner[0].get("configuration") or {}).get("endian", "little") if inner else None
     little = np.dtype(arr.dtype).byteorder in "<|=" and endian == "little"
     if (
@@ -556,8 +590,8 @@ class ChunkReader:
         if offset == _NO_CHUNK:  # zarr would read fill values; in a batchctl dataset it is damage
             raise FormatError(f"{self.arr.path} shard {shard}: batch {chunk} is missing from the shard")
         out = np.empty(self.chunk_shape, self.dtype)  # decoded (or read) straight into a writable array
-        raw_out = out.reshape(-1).view(np.uint8) if self.dtype.kind != "T" else None
-        if self.inner == ["bytes", "crc32c"] and raw_out is not None and nbytes == raw_out.nbytes + 4:
+        raw_out = out.reshape(-1).view(np.uint8)
+        if self.inner == ["bytes", "crc32c"] and nbytes == raw_out.nbytes + 4:
             # uncompressed: one read into the result, as np.load does; no mapping, no extra copy
             stored = bytearray(4)
             if os.preadv(file.fileno(), [raw_out.data, stored], offset) != nbytes:
@@ -571,15 +605,6 @@ class ChunkReader:
             data, stored_crc = data[:-4], data[-4:]
             if google_crc32c.value(bytes(data)) != int.from_bytes(stored_crc, "little"):
                 raise FormatError(f"shard {shard}, chunk {position}: the chunk checksum does not match")
-        if self.inner[0] == "vlen-utf8":
-            raw: Any = data
-            if "zstd" in self.inner:
-                raw = numcodecs.Zstd().decode(data)
-            elif "blosc" in self.inner:
-                raw = numcodecs.Blosc().decode(data)
-            strings = numcodecs.VLenUTF8().decode(raw)
-            return np.array(strings, dtype=self.dtype).reshape(self.chunk_shape)
-        assert raw_out is not None
         if "zstd" in self.inner:
             numcodecs.Zstd().decode(data, out=out)  # libzstd checks the frame checksum
         elif "blosc" in self.inner:

@@ -24,11 +24,11 @@ def info(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None
         # what the stored chunks hold uncompressed: whole batches (the last one padded), so a field
         # stored raw shows 1.0 however short its last batch
         row_bytes = int(np.prod(arr.shape[1:])) * arr.dtype.itemsize
-        raw = ds.num_batches * ds.batch_size * row_bytes if arr.dtype.kind != "T" else None
+        raw = ds.num_batches * ds.batch_size * row_bytes
         chunk_bytes = _chunk_bytes(ds, name, arr)
         fields[name] = {
-            "shape": list(arr.shape[1:]),
-            "dtype": "str" if arr.dtype.kind == "T" else str(arr.dtype),
+            "shape": [] if name == fmt.SOURCE else list(arr.shape[1:]),
+            "dtype": "str" if name == fmt.SOURCE else str(arr.dtype),  # source: UTF-8 bytes, zero-padded
             "chunk_rows": int(arr.chunks[0]),
             "shard_rows": int(arr.shards[0]) if arr.shards else None,
             "codecs": [c.to_dict()["name"] for c in arr.metadata.codecs[0].codecs]  # type: ignore[union-attr]
@@ -116,6 +116,8 @@ def verify(
         for name, arr in ds.arrays.items():
             try:
                 batch[name] = np.asarray(arr[start:stop])
+                if name == fmt.SOURCE:
+                    batch[name] = fmt.decode_sources(batch[name])
             except Exception as exc:  # noqa: BLE001 - any decode failure is corruption of this chunk
                 problems.append(Problem(f"{name} batch {index} (shard {shard})", f"unreadable: {exc}"))
                 continue

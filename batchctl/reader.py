@@ -55,8 +55,11 @@ class Dataset:
 
     @property
     def fields(self) -> dict[str, tuple[tuple[int, ...], np.dtype[Any]]]:
-        """Field name -> (row shape, dtype), for every array including `source` and `source_index`."""
-        return {name: (tuple(arr.shape[1:]), np.dtype(arr.dtype)) for name, arr in self.arrays.items()}
+        """Field name -> (row shape, dtype), for every array including `source` (str) and `source_index`."""
+        return {
+            name: ((), np.dtype(np.str_)) if name == fmt.SOURCE else (tuple(arr.shape[1:]), np.dtype(arr.dtype))
+            for name, arr in self.arrays.items()
+        }
 
     def __len__(self) -> int:
         return self.num_batches
@@ -76,8 +79,10 @@ class Dataset:
         stop = min(start + self.batch_size, self.num_samples)
         reader = self._fast[name]
         if reader is None:
-            return self._read_zarr(name, self.arrays[name], start, stop)
-        return reader.read(int(index))[: stop - start]
+            rows = self._read_zarr(name, self.arrays[name], start, stop)
+        else:
+            rows = reader.read(int(index))[: stop - start]
+        return fmt.decode_sources(rows) if name == fmt.SOURCE else rows
 
     def _read_zarr(self, name: str, arr: Any, start: int, stop: int) -> np.ndarray:
         shard = start // int(arr.shards[0] if arr.shards else arr.chunks[0])

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import zarr
 
+import batchctl
 from batchctl import format as fmt
 from batchctl.discover import WorkItem
 from batchctl.processes import mp_context
@@ -70,7 +71,7 @@ def test_shards_written_by_batchctl_read_back_in_zarr(tmp_path: Path, compressio
     group = zarr.open_group(tmp_path / "d.zarr", mode="w")
     schema = {"x": fmt.FieldSpec((3, 5), "float32"), "y": fmt.FieldSpec((), "uint8")}
     layout = fmt.Layout(batch_size=4, shard_batches=3)
-    arrays = fmt.create_arrays(group, schema, layout, compression, labelled=True)
+    arrays = fmt.create_arrays(group, schema, layout, compression, labelled=True, source_bytes=3)
     rng = np.random.default_rng(0)
     rows = 2 * layout.shard_rows + 7  # a short last shard with a short last chunk
     columns = {
@@ -78,14 +79,17 @@ def test_shards_written_by_batchctl_read_back_in_zarr(tmp_path: Path, compressio
         "y": rng.integers(0, 255, rows).astype(np.uint8),
         fmt.LABEL: rng.integers(0, 3, rows),
         fmt.SOURCE_INDEX: np.arange(rows) * 3,
-        fmt.SOURCE: np.array([f"s{i}" for i in range(rows)], dtype=object),
+        fmt.SOURCE: np.array([f"é{i}" if i < 10 else f"s{i}" for i in range(rows)], dtype=object),
     }
     for shard in range(3):
         part = slice(shard * layout.shard_rows, (shard + 1) * layout.shard_rows)
         fmt.write_shard(arrays, layout, shard, {name: column[part] for name, column in columns.items()})
     reopened = zarr.open_group(tmp_path / "d.zarr", mode="r")
     for name, column in columns.items():
-        assert np.array_equal(reopened[name][:], column), name
+        stored = reopened[name][:]
+        assert np.array_equal(fmt.decode_sources(stored) if name == fmt.SOURCE else stored, column), name
+    with pytest.raises(batchctl.FormatError, match="does not fit"):  # a longer path than the width
+        fmt.encode_sources(["abcd"], 3)
     reader = fmt.ChunkReader.for_array(fmt.DatasetRoot(tmp_path / "d.zarr"), reopened["x"])
     assert reader is not None
     assert np.array_equal(reader.read(6)[:3], columns["x"][24:27])
