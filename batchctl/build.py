@@ -16,7 +16,7 @@ import zarr
 
 from batchctl import __version__, staging, storage
 from batchctl import format as fmt
-from batchctl.collate import CollatorConfig, Finished, Rejected
+from batchctl.collate import CollatorConfig, Finished, Rejected, ResumePoint
 from batchctl.discover import Discovery, WorkItem, discover
 from batchctl.errors import (
     BuildFailed,
@@ -32,6 +32,7 @@ from batchctl.preprocess import Preprocessor, resolve
 from batchctl.processes import signals_raise, sweep_dead_builds
 from batchctl.progress import Progress
 from batchctl.report import BuildReport, FileError
+from batchctl.shards import read_chunk
 from batchctl.staging import BuildLock, BuildPaths
 from batchctl.storage import SourceRoot
 from batchctl.workers import Task, TaskResult, describe_error
@@ -128,7 +129,8 @@ class _Builder:
         self.report = BuildReport(str(source), output)
         self.started = time.monotonic()
         self.new_samples = 0
-        self.resumed_batches = 0  # batches kept from an interrupted run (whole shards: full batches)
+        self.resumed_batches = 0  # batches kept from an interrupted run
+        self.resume_point = ResumePoint([], None, 0)
 
     def run(self) -> BuildReport:
         if storage.is_url(self.output):
@@ -189,7 +191,7 @@ class _Builder:
                 compression=self.options.compression,
                 labelled=discovery.classes is not None,
                 source_bytes=fmt.source_width(item.relpath for item in discovery.items),
-                resume_shards=self.report.resumed_shards,
+                resume=self.resume_point,
             ),
         )
         finished = Pipeline(config, self.progress, self._on_result, self._on_rejected).run(tasks)
@@ -260,32 +262,73 @@ class _Builder:
         if state.get("classes") != discovery.classes:
             self.progress.info("the class folders changed since the interrupted build; starting over")
             return None
-        shards = staging.read_journal(self.paths)
+        kept = self._journaled()
         written: dict[tuple[str, int], list[Any]] = {}  # (file, first sample of part) -> count, finished, stamp
-        for shard in shards:
-            for relpath, count, finished, size, mtime_ns, first in shard["files"]:
-                entry = written.setdefault((relpath, first), [0, False, size, mtime_ns])
-                entry[0] += count
-                entry[1] = entry[1] or finished
+        for relpath, count, finished, size, mtime_ns, first in kept.entries:
+            entry = written.setdefault((relpath, first), [0, False, size, mtime_ns])
+            entry[0] += count
+            entry[1] = entry[1] or finished
         current = {item.relpath: item for item in discovery.items}
         for (relpath, _), (_, _, size, mtime_ns) in written.items():
             item = current.get(relpath)
             if item is None or (item.size, item.mtime_ns) != (size, mtime_ns):
                 self.progress.info(f"{relpath} changed or vanished since the interrupted build; starting over")
                 return None
+        staging.rewrite_journal(self.paths, kept.lines())
+        self.resume_point = ResumePoint(kept.batches, kept.partial, kept.done_shards)
+        self.report.resumed_shards = kept.done_shards
+        self.report.resumed_samples = sum(int(entry[1]) for entry in kept.entries)
+        self.resumed_batches = len(kept.batches)
+        if self.report.resumed_samples:
+            self.progress.info(f"resuming: {self.report.resumed_samples} samples kept from the interrupted build")
+        return self._tasks(discovery, written)
+
+    def _journaled(self) -> staging.Journaled:
+        """What the interrupted build journaled and is really there: batches whose chunks lie
+        within their shard files (the journal is written after its data is fsynced, so this only
+        cuts what a damaged disk lost), and a half-filled batch that still decodes. Shard files
+        past the last kept batch's shard are deleted."""
         group = zarr.open_group(self.paths.staging_url, mode="r+", **self.paths.zarr_kwargs())
         arrays = fmt.open_arrays(group)
-        if arrays:
-            source = arrays[fmt.SOURCE]
-            layout = fmt.Layout(source.chunks[0], source.shards[0] // source.chunks[0])  # type: ignore[index]
-            fs, root = storage.locate(self.paths.staging_url, self.paths.storage_options)
-            fmt.truncate(arrays, layout, fs, root, len(shards))
-        staging.rewrite_journal(self.paths, shards)
-        self.report.resumed_shards = len(shards)
-        self.resumed_batches = sum(shard["rows"] for shard in shards) // self.options.batch_size
-        if shards:
-            self.progress.info(f"resuming: {len(shards)} shards kept from the interrupted build")
-        return self._tasks(discovery, written)
+        if not arrays:
+            return staging.Journaled([], None, 0)
+        kept = staging.resolve_journal(staging.read_journal(self.paths), self.options.batch_size)
+        batches, partial = kept.batches, kept.partial
+        fs, root = storage.locate(self.paths.staging_url, self.paths.storage_options)
+        sizes: dict[str, int] = {}
+
+        def present(batch: dict[str, Any]) -> bool:
+            for name, arr in arrays.items():
+                key = fmt.shard_key(arr, int(batch["shard"]))
+                if key not in sizes:
+                    sizes[key] = int(fs.size(f"{root}/{key}")) if fs.exists(f"{root}/{key}") else -1
+                offset, nbytes = batch["chunks"][name]
+                if sizes[key] < offset + nbytes:
+                    return False
+            return True
+
+        done = kept.done_shards
+        cut = next((i for i, batch in enumerate(batches) if batch["shard"] >= done and not present(batch)), None)
+        if cut is not None:
+            batches, partial = batches[:cut], None
+        if partial is not None and not self._decodes(arrays, partial):
+            partial = None
+        last_shard = max([b["shard"] for b in batches + ([partial] if partial else [])], default=-1)
+        fmt.remove_shards_from(arrays, fs, root, last_shard + 1)
+        return staging.Journaled(batches, partial, done)
+
+    def _decodes(self, arrays: Mapping[str, zarr.Array], partial: dict[str, Any]) -> bool:
+        """The half-filled batch reads back whole from its shard files (local OUTPUT only)."""
+        if self.paths.remote:
+            return False
+        try:
+            for name, arr in arrays.items():
+                chunk = tuple(int(v) for v in partial["chunks"][name])
+                stored = read_chunk(arr, int(partial["shard"]), self.paths.staging, (chunk[0], chunk[1]))
+                fmt.ChunkEncoder.for_array(arr).decode(stored)
+        except (OSError, ValueError, RuntimeError):  # FormatError is a ValueError
+            return False
+        return True
 
     def _tasks(self, discovery: Discovery, written: Mapping[tuple[str, int], list[Any]]) -> list[Task]:
         """One task per file, or per part of a big file; what an interrupted run finished is left

@@ -1,16 +1,20 @@
-"""Collate: the collator process assembles samples into batches and writes whole shards.
+"""Collate: the collator process assembles samples into batches and streams them into shards.
 
-It is the only writer of the dataset's arrays, so every shard is written once, aligned and whole.
-After each full shard it fsyncs the shard files and appends a line to the journal, which is what
-a resumed build trusts. The first sample fixes the schema; samples that do not fit are rejected
-with the field and both shapes.
+It is the only writer of the dataset's arrays. Each batch, the moment it is full, is encoded and
+appended to its shard (one chunk per array, `batchctl.shards`); the shard's index is written when
+its last batch is in. About every second the shard files are fsynced and then the batches written
+since are journaled, so a build killed outright loses at most the last second or so. Stopped
+gracefully (the parent's `Stop`), it writes and journals its half-filled batch too, and a resumed
+build picks that batch up again. The first sample fixes the schema; samples that do not fit are
+rejected with the field and both shapes.
 """
 
 from __future__ import annotations
 
 import sys
-from concurrent.futures import Future, ThreadPoolExecutor
+import time
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
 from multiprocessing.queues import Queue, SimpleQueue
 from typing import Any
 
@@ -18,12 +22,25 @@ import numpy as np
 import zarr
 
 from batchctl import format as fmt
-from batchctl import staging, storage
+from batchctl import shards, staging
+from batchctl.mpinternals import queue_reader
 from batchctl.preprocess import Sample
 from batchctl.processes import init_child
 from batchctl.ring import InRing, SampleRing
 from batchctl.staging import BuildPaths
 from batchctl.workers import TaskOutput, describe_error
+
+SYNC_S = 1.0  # batches are journaled (their shard files fsynced first) at most this long after being written
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where an interrupted build stopped: its journaled full batches (all of them: the open
+    shard's chunks are among them) and the half-filled batch it left, to be filled up again."""
+
+    batches: list[dict[str, Any]]
+    partial: dict[str, Any] | None
+    done_shards: int
 
 
 @dataclass(frozen=True)
@@ -34,7 +51,7 @@ class CollatorConfig:
     compression: str
     labelled: bool
     source_bytes: int  # the width of the `source` array (the longest input path's UTF-8 bytes)
-    resume_shards: int = 0
+    resume: ResumePoint = ResumePoint([], None, 0)
 
 
 @dataclass(frozen=True)
@@ -43,10 +60,8 @@ class End:
 
 
 @dataclass(frozen=True)
-class ShardWritten:
-    index: int
+class BatchWritten:
     rows: int
-    nbytes: int
 
 
 @dataclass(frozen=True)
@@ -60,9 +75,15 @@ class Rejected:
 class Finished:
     samples: int
     shards: int
-    nbytes: int
     shard_batches: int
     schema: dict[str, dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """The collator wrote and journaled every sample it had received, then stopped."""
+
+    samples: int
 
 
 @dataclass(frozen=True)
@@ -70,7 +91,7 @@ class Crashed:
     message: str
 
 
-Event = ShardWritten | Rejected | Finished | Crashed
+Event = BatchWritten | Rejected | Finished | Stopped | Crashed
 
 
 def check_schema(schema: fmt.Schema, sample: Sample) -> str | None:
@@ -88,8 +109,8 @@ def check_schema(schema: fmt.Schema, sample: Sample) -> str | None:
 
 
 @dataclass
-class _Shard:
-    """Rows of the shard being filled, preallocated, plus the journal entries describing them."""
+class _Batch:
+    """The rows of the batch being filled, plus the journal entries describing them."""
 
     columns: dict[str, np.ndarray]
     sources: list[str] = field(default_factory=list)
@@ -105,59 +126,88 @@ class Collator:
         self.config = config
         self.events = events
         self.group = zarr.open_group(config.paths.staging_url, mode="r+", **config.paths.zarr_kwargs())
+        self.local_root = None if config.paths.remote else config.paths.staging
         self.arrays = fmt.open_arrays(self.group)
         self.schema: fmt.Schema | None = None
         self.layout: fmt.Layout | None = None
-        self.shard_index = config.resume_shards
-        self.nbytes = 0
-        self.shard: _Shard | None = None
-        self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchctl-write")
-        self.writing: Future[None] | None = None
-        self.written: _Shard | None = None  # the shard being written, or last written
+        self.encoders: dict[str, fmt.ChunkEncoder] = {}
+        self.batch: _Batch | None = None
+        self.next_batch = len(config.resume.batches)  # the number of the batch being filled
+        self.samples = sum(int(batch["rows"]) for batch in config.resume.batches)
+        self.open: dict[str, shards.OpenShard] = {}
+        self.open_index = -1  # the shard being filled, or -1
+        self.unjournaled: list[dict[str, Any]] = []
+        self.last_sync = time.monotonic()
         if self.arrays:
             self._adopt_existing()
 
     def _adopt_existing(self) -> None:
-        """Resume: continue the arrays an interrupted run created."""
+        """Resume: continue the arrays an interrupted run created, in its open shard, from the
+        half-filled batch it left (read back from that shard, whose file is cut before it)."""
         self.schema = {
             name: fmt.FieldSpec(tuple(arr.shape[1:]), arr.dtype.name)
             for name, arr in self.arrays.items()
             if name not in fmt.RESERVED_FIELDS
         }
         shard_rows = self.arrays[fmt.SOURCE].shards[0]  # type: ignore[index]
-        self.layout = fmt.Layout(self.config.batch_size, shard_rows // self.config.batch_size)
-        self.shard = self._new_shard()
+        self._layout(fmt.Layout(self.config.batch_size, shard_rows // self.config.batch_size))
+        resume = self.config.resume
+        if resume.partial is not None:
+            self._reload(resume.partial)  # before its shard file is cut short
+        unfinished = [batch for batch in resume.batches if batch["shard"] >= resume.done_shards]
+        if unfinished:
+            chunks = {name: [_chunk(batch, name) for batch in unfinished] for name in self.arrays}
+            self._open_shards(unfinished[0]["shard"], chunks)
+            if len(unfinished) == self._shard_batches():  # full, but its index was not written
+                self._close_shards()
+
+    def _reload(self, partial: dict[str, Any]) -> None:
+        assert self.local_root is not None and self.batch is not None
+        shard = partial["shard"]
+        for name, arr in self.arrays.items():
+            stored = shards.read_chunk(arr, shard, self.local_root, tuple(partial["chunks"][name]))
+            rows = self.encoders[name].decode(stored)[: partial["rows"]]
+            if name == fmt.SOURCE:
+                self.batch.sources = fmt.decode_sources(rows).tolist()
+            else:
+                self.batch.columns[name][: len(rows)] = rows
+        self.batch.entries = [list(entry) for entry in partial["files"]]
+
+    def _layout(self, layout: fmt.Layout) -> None:
+        self.layout = layout
+        self.encoders = {name: fmt.ChunkEncoder.for_array(arr) for name, arr in self.arrays.items()}
+        self.batch = self._new_batch()
+
+    def _shard_batches(self) -> int:
+        assert self.layout is not None
+        return self.layout.shard_batches
 
     def _start(self, rows: dict[str, np.ndarray]) -> None:
         self.schema = {name: fmt.FieldSpec.of(column[0]) for name, column in rows.items()}
         shard_batches = self.config.shard_batches or fmt.default_shard_batches(self.config.batch_size, self.schema)
-        self.layout = fmt.Layout(self.config.batch_size, shard_batches)
+        layout = fmt.Layout(self.config.batch_size, shard_batches)
         self.arrays = fmt.create_arrays(
             self.group,
             self.schema,
-            self.layout,
+            layout,
             self.config.compression,
             self.config.labelled,
             self.config.source_bytes,
             rows,
         )
-        self.shard = self._new_shard()
+        self._layout(layout)
 
-    def _new_shard(self, spare: _Shard | None = None) -> _Shard:
-        """An empty shard; reusing a written shard's buffers saves faulting in fresh pages
-        (~128 MiB a shard), which cost as much as copying the rows in."""
-        if spare is not None:
-            return _Shard(spare.columns)
+    def _new_batch(self) -> _Batch:
         assert self.schema is not None and self.layout is not None
-        rows = self.layout.shard_rows
+        rows = self.layout.batch_size
         columns = {name: np.empty((rows, *spec.shape), spec.dtype) for name, spec in self.schema.items()}
         columns[fmt.SOURCE_INDEX] = np.empty(rows, np.int64)
         if self.config.labelled:
             columns[fmt.LABEL] = np.empty(rows, np.int64)
-        return _Shard(columns)
+        return _Batch(columns)
 
     def add(self, output: TaskOutput) -> None:
-        """Copy an output's rows into the shard being filled, writing each shard as it fills up."""
+        """Copy an output's rows into the batch being filled, writing each batch as it fills up."""
         first_row = {name: column[0] for name, column in output.columns.items()}
         reason = check_schema(self.schema or {n: fmt.FieldSpec.of(v) for n, v in first_row.items()}, first_row)
         if reason:  # (the worker checked that the rows of one output agree with each other)
@@ -166,7 +216,7 @@ class Collator:
             return
         if self.schema is None:
             self._start(output.columns)
-        assert self.schema is not None and self.layout is not None and self.shard is not None
+        assert self.layout is not None and self.batch is not None
         counts = [rows for _, rows in output.parts]
         source_index = np.concatenate([np.arange(t.first + t.skip, t.first + t.skip + n) for t, n in output.parts])
         labels = np.repeat([task.item.label for task, _ in output.parts], counts)
@@ -175,86 +225,136 @@ class Collator:
         task, left = next(parts)  # the task whose rows come next, and how many of them are left
         done = 0
         while done < output.rows:
-            shard, start = self.shard, self.shard.rows
-            take = min(output.rows - done, self.layout.shard_rows - start)
+            batch, start = self.batch, self.batch.rows
+            take = min(output.rows - done, self.layout.batch_size - start)
             for name, column in output.columns.items():
-                shard.columns[name][start : start + take] = column[done : done + take]
-            shard.columns[fmt.SOURCE_INDEX][start : start + take] = source_index[done : done + take]
+                batch.columns[name][start : start + take] = column[done : done + take]
+            batch.columns[fmt.SOURCE_INDEX][start : start + take] = source_index[done : done + take]
             if self.config.labelled:
-                shard.columns[fmt.LABEL][start : start + take] = labels[done : done + take]
-            shard.sources.extend(sources[done : done + take])
+                batch.columns[fmt.LABEL][start : start + take] = labels[done : done + take]
+            batch.sources.extend(sources[done : done + take])
             done += take
-            while take:  # journal what of each task this shard holds
+            while take:  # journal what of each task this batch holds
                 placed = min(left, take)
                 take, left = take - placed, left - placed
                 item = task.item
-                shard.entries.append([item.relpath, placed, left == 0, item.size, item.mtime_ns, task.first])
+                batch.entries.append([item.relpath, placed, left == 0, item.size, item.mtime_ns, task.first])
                 if left == 0 and (take or done < output.rows):  # more rows follow: the next task's
                     task, left = next(parts)
-            if shard.rows == self.layout.shard_rows:
-                self._write(journal=True)
+            if batch.rows == self.layout.batch_size:
+                self._write_batch()
 
-    def _write(self, journal: bool) -> None:
-        """Hand the full shard to the writer thread and go on filling a fresh one, so compression
-        and disk writes overlap collation. At most one shard is being written: two buffers in all."""
-        assert self.shard is not None
-        self._wait_for_writer()
-        spare, self.written = self.written, self.shard
-        self.writing = self.writer.submit(self._store, self.shard_index, self.shard, journal)
-        self.shard_index += 1
-        self.shard = self._new_shard(spare)
+    def _write_batch(self) -> None:
+        """Write the full batch; a shard whose last batch this was gets its index."""
+        self._append_batch()
+        if self.next_batch % self._shard_batches() == 0:
+            self._close_shards()
+        elif time.monotonic() - self.last_sync >= SYNC_S:
+            self._sync()
 
-    def _wait_for_writer(self) -> None:
-        if self.writing is not None:
-            self.writing.result()  # re-raises a failed write (a full disk, say) here
-            self.writing = None
+    def _append_batch(self) -> None:
+        """Encode the batch and append it to its shard (opened with its first batch), to be
+        journaled at the next sync."""
+        assert self.batch is not None
+        batch, rows = self.batch, self.batch.rows
+        if not self.open:
+            self._open_shards(self.next_batch // self._shard_batches(), {})
+        chunks = {}
+        for name, arr in self.arrays.items():
+            column = batch.columns[name] if name != fmt.SOURCE else fmt.stored_column(arr, name, batch.sources)
+            chunks[name] = list(self.open[name].append(self.encoders[name].encode(column[:rows])))
+        self.unjournaled.append(
+            {"batch": self.next_batch, "shard": self.open_index, "rows": rows, "chunks": chunks, "files": batch.entries}
+        )
+        self.events.put(BatchWritten(rows))
+        self.samples += rows
+        self.next_batch += 1
+        self.batch = _Batch(batch.columns)  # the same buffers, filled again
 
-    def _store(self, index: int, shard: _Shard, journal: bool) -> None:
-        assert self.layout is not None
-        columns = {name: col[: shard.rows] for name, col in shard.columns.items()}
-        columns[fmt.SOURCE] = np.array(shard.sources, dtype=object)  # encoded by the format
-        fmt.write_shard(self.arrays, self.layout, index, columns)
-        written = self._make_durable(index)
-        self.nbytes += written
-        if journal:
-            self._journal(index, shard)
-        self.events.put(ShardWritten(index, shard.rows, written))
+    def _open_shards(self, shard: int, chunks: dict[str, list[shards.Chunk]]) -> None:
+        self.open_index = shard
+        self.open = {
+            name: shards.OpenShard(arr, shard, self.local_root, chunks.get(name, []))
+            for name, arr in self.arrays.items()
+        }
 
-    def _make_durable(self, index: int) -> int:
-        """fsync shard `index`'s files (an object store's PUT is durable once it returns);
-        its bytes on disk."""
-        paths = self.config.paths
-        keys = fmt.shard_keys(self.arrays, index)
-        if paths.remote:
-            root = storage.fs_path(paths.staging_url)
-            return sum(int(paths.fs.size(f"{root}/{key}")) for key in keys)
-        files = [path for key in keys if (path := paths.staging / key).is_file()]
-        fmt.fsync_paths(files)
-        return sum(path.stat().st_size for path in files)
+    def _sync(self) -> None:
+        """fsync the open shard files, then journal the batches they hold (local OUTPUT; an
+        object store's shards are journaled whole when they are sent)."""
+        self.last_sync = time.monotonic()
+        if self.config.paths.remote:
+            return
+        for shard in self.open.values():
+            shard.sync()
+        staging.append_journal(self.config.paths, self.unjournaled)
+        self.unjournaled = []
 
-    def _journal(self, index: int, shard: _Shard) -> None:
-        staging.append_journal(self.config.paths, {"shard": index, "rows": shard.rows, "files": shard.entries})
+    def _close_shards(self) -> None:
+        for open_shard in self.open.values():
+            open_shard.finish(self._shard_batches())
+        self.open = {}
+        self.unjournaled.append({"shard_done": self.open_index})
+        staging.append_journal(self.config.paths, self.unjournaled)
+        self.unjournaled = []
+        self.last_sync = time.monotonic()
 
     def finish(self) -> Finished:
-        if self.shard is not None and self.shard.rows:
-            self._write(journal=False)
-        self._wait_for_writer()
-        self.writer.shutdown()
-        samples = self.arrays[fmt.SOURCE].shape[0] if self.arrays else 0
+        """Write the last, short batch and the last shard's index; the arrays' lengths last."""
+        if self.batch is not None and self.batch.rows:
+            self._write_batch()
+        if self.open:
+            self._close_shards()
+        for arr in self.arrays.values():
+            arr.resize((self.samples, *arr.shape[1:]))
         schema = {name: spec.to_json() for name, spec in (self.schema or {}).items()}
         shard_batches = self.layout.shard_batches if self.layout else 0
-        return Finished(samples, self.shard_index, self.nbytes, shard_batches, schema)
+        batches = fmt.num_batches(self.samples, self.config.batch_size)
+        return Finished(self.samples, -(-batches // shard_batches) if shard_batches else 0, shard_batches, schema)
+
+    def stop(self) -> Stopped:
+        """Write and journal the half-filled batch too; the shard stays open (no index), and a
+        resumed build fills that batch up. (An object store keeps only its finished shards.)"""
+        if self.batch is not None and self.batch.rows:
+            self._append_batch()
+        self._sync()
+        for shard in self.open.values():
+            shard.close()
+        return Stopped(self.samples)
+
+
+def _chunk(batch: dict[str, Any], name: str) -> shards.Chunk:
+    offset, nbytes = batch["chunks"][name]
+    return int(offset), int(nbytes)
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Sent by the parent on the control pipe: write what you have, journal it, exit."""
 
 
 def run_collator(
-    config: CollatorConfig, inbox: SimpleQueue[Any], events: Queue[Event], ring: SampleRing | None
+    config: CollatorConfig,
+    inbox: SimpleQueue[Any],
+    control: Connection,
+    events: Queue[Event],
+    ring: SampleRing | None,
 ) -> None:
-    """Process entry point: collate until the parent's End and every task output it counts arrived."""
+    """Process entry point: collate until the parent's End and every task output it counts arrived,
+    or until the parent says Stop on the control pipe."""
     init_child("batchctl-collator")
     try:
         collator = Collator(config, events)
-        while not isinstance(message := inbox.get(), End):  # one worker's chunk
-            if isinstance(message, InRing):
+        reader = queue_reader(inbox)
+        while True:
+            if control in wait([control, reader]):
+                control.recv()
+                events.put(collator.stop())
+                break
+            message = inbox.get()
+            if isinstance(message, End):
+                events.put(collator.finish())
+                break
+            if isinstance(message, InRing):  # one worker's chunk
                 assert ring is not None
                 for output in ring.outputs(message):
                     collator.add(output)
@@ -262,7 +362,6 @@ def run_collator(
             else:
                 for output in message:
                     collator.add(output)
-        events.put(collator.finish())
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails the build
         events.put(Crashed(f"the collator failed writing {config.paths.url}: {describe_error(exc)}"))
         events.close()

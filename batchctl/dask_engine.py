@@ -243,7 +243,6 @@ class DaskRun:
         return Finished(
             samples,
             -(-samples // layout.shard_rows),
-            0,
             shard_batches,
             {name: spec.to_json() for name, spec in schema.items()},
         )

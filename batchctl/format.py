@@ -298,19 +298,27 @@ def stored_column(arr: zarr.Array, name: str, column: Any) -> np.ndarray:
 
 
 def _write_whole_shard(arr: zarr.Array, layout: Layout, shard_index: int, data: np.ndarray) -> None:
-    """Encode and store one whole shard ourselves where the layout allows: zarr-python 3.1 reads
-    the old shard back and assembles the new one in several copies, which cost the collator more
-    than compressing it (py-spy); zarr writes anything else."""
-    shard = _encode_shard(arr, layout, data)
-    if shard is None:
-        start = shard_index * layout.shard_rows
-        arr[start : start + len(data)] = data
-        return
-    key = f"{arr.path}/{_shard_key(arr, shard_index)}"
+    """Encode and store one whole shard ourselves (`ChunkEncoder`): zarr-python 3.1 reads the old
+    shard back and assembles the new one in several copies, which cost more than compressing it."""
+    encoder = ChunkEncoder.for_array(arr)
+    pieces: list[Any] = []
+    entries: list[tuple[int, int]] = []
+    offset = 0
+    for first in range(0, len(data), layout.batch_size):
+        encoded = encoder.encode(data[first : first + layout.batch_size])
+        nbytes = sum(len(piece) for piece in encoded)
+        entries.append((offset, nbytes))
+        pieces += encoded
+        offset += nbytes
+    store_object(arr, shard_key(arr, shard_index), [*pieces, *shard_index_bytes(entries, layout.shard_batches)])
+
+
+def store_object(arr: zarr.Array, key: str, pieces: list[Any]) -> None:
+    """Write one whole object of an array: a local file atomically, an object store by one PUT."""
     if isinstance(arr.store, zarr.storage.LocalStore):
-        _write_atomically(Path(arr.store.root) / key, shard)
+        _write_atomically(Path(arr.store.root) / key, pieces)
     else:  # an object store's PUT is atomic
-        sync(arr.store.set(key, cpu.Buffer.from_bytes(b"".join(shard))))
+        sync(arr.store.set(key, cpu.Buffer.from_bytes(b"".join(pieces))))
 
 
 def _write_atomically(path: Path, pieces: list[Any]) -> None:
@@ -327,33 +335,71 @@ def _write_atomically(path: Path, pieces: list[Any]) -> None:
         raise
 
 
-def _encode_shard(arr: zarr.Array, layout: Layout, data: np.ndarray) -> list[Any] | None:
-    """The bytes, in pieces, of a `sharding_indexed` shard holding `data` (at most one shard of
-    rows; a short last chunk is padded with the fill value, as zarr does), or None for layouts
-    left to zarr."""
-    inner = own_codecs(arr)
-    names = [codec["name"] for codec in inner or ()]
-    if inner is None or names not in (["bytes", "zstd"], ["bytes", "crc32c"]):
-        return None
-    zstd_config = inner[1].get("configuration") or {} if names[1] == "zstd" else None
-    codec = None if zstd_config is None else numcodecs.Zstd(**zstd_config)
-    pieces: list[Any] = []
-    index = np.full((layout.shard_batches, 2), _NO_CHUNK, dtype="<u8")
-    offset = 0
-    for position, first in enumerate(range(0, len(data), layout.batch_size)):
-        chunk = data[first : first + layout.batch_size]
-        if len(chunk) < layout.batch_size:
-            padded = np.full((layout.batch_size, *chunk.shape[1:]), arr.fill_value, dtype=chunk.dtype)
-            padded[: len(chunk)] = chunk
-            chunk = padded
-        raw = np.ascontiguousarray(chunk).reshape(-1).view(np.uint8)
-        encoded: list[Any] = [codec.encode(raw)] if codec is not None else [raw, _crc32c_bytes(raw)]
-        nbytes = sum(len(piece) for piece in encoded)
-        index[position] = (offset, nbytes)
-        pieces += encoded
-        offset += nbytes
+class ChunkEncoder:
+    """Encodes one chunk (one batch) of an array exactly as zarr-python would inside a
+    `sharding_indexed` shard (tests/test_transport.py compares the bytes): zstd with its frame
+    checksum, or blosc then crc32c, or the raw little-endian bytes then crc32c. A short last
+    batch is padded with the fill value, as zarr does. zstd, blosc and crc32c release the GIL."""
+
+    def __init__(self, arr: zarr.Array, inner: list[dict[str, Any]]) -> None:
+        self.chunk_shape = tuple(int(n) for n in arr.chunks)
+        self.dtype = np.dtype(arr.dtype)
+        self.fill = arr.fill_value
+        names = [codec["name"] for codec in inner]
+        config = inner[1].get("configuration") or {}
+        self.compressor: Any = None
+        if names[1] == "zstd":
+            self.compressor = numcodecs.Zstd(level=config.get("level", 0), checksum=config.get("checksum", False))
+        elif names[1] == "blosc":
+            shuffle = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}[config.get("shuffle", "noshuffle")]
+            self.compressor = numcodecs.Blosc.from_config(  # as zarr's BloscCodec configures it
+                {
+                    "cname": config.get("cname", "zstd"),
+                    "clevel": config.get("clevel", 5),
+                    "shuffle": shuffle,
+                    "blocksize": config.get("blocksize", 0),
+                    "typesize": int(config.get("typesize") or 1),
+                }
+            )
+        self.crc = names[-1] == "crc32c"
+
+    @classmethod
+    def for_array(cls, arr: zarr.Array) -> ChunkEncoder:
+        inner = own_codecs(arr)
+        if inner is None:
+            raise FormatError(f"{arr.path}: not a layout batchctl writes (docs/format.md)")
+        return cls(arr, inner)
+
+    def encode(self, rows: np.ndarray) -> list[Any]:
+        """The stored pieces of one chunk holding `rows` (at most one chunk of them)."""
+        if len(rows) < self.chunk_shape[0]:
+            padded = np.full(self.chunk_shape, self.fill, dtype=self.dtype)
+            padded[: len(rows)] = rows
+            rows = padded
+        raw = np.ascontiguousarray(rows, dtype=self.dtype.newbyteorder("<")).reshape(-1).view(np.uint8)
+        if self.compressor is None:
+            return [raw, _crc32c_bytes(raw)]
+        encoded = self.compressor.encode(raw)
+        return [encoded, _crc32c_bytes(encoded)] if self.crc else [encoded]
+
+    def decode(self, data: bytes) -> np.ndarray:
+        """One stored chunk back to its rows (for resuming a half-filled batch)."""
+        if self.crc:
+            data, stored = data[:-4], data[-4:]
+            if google_crc32c.value(bytes(data)) != int.from_bytes(stored, "little"):
+                raise FormatError("the chunk checksum does not match")
+        raw = self.compressor.decode(data) if self.compressor is not None else data
+        return np.frombuffer(raw, dtype=self.dtype.newbyteorder("<")).reshape(self.chunk_shape).copy()
+
+
+def shard_index_bytes(entries: list[tuple[int, int]], shard_batches: int) -> list[Any]:
+    """The index that ends a shard: (offset, nbytes) of each chunk, little-endian uint64, an empty
+    position marked as all ones, then its crc32c."""
+    index = np.full((shard_batches, 2), _NO_CHUNK, dtype="<u8")
+    for position, entry in enumerate(entries):
+        index[position] = entry
     index_bytes = index.reshape(-1).view(np.uint8)
-    return [*pieces, index_bytes, _crc32c_bytes(index_bytes)]
+    return [index_bytes, _crc32c_bytes(index_bytes)]
 
 
 def _crc32c_bytes(data: Any) -> bytes:
@@ -370,20 +416,17 @@ def write_shard_at(
         data = stored_column(arr, name, columns[name])
         if start + len(data) > arr.shape[0]:
             raise FormatError(f"shard {shard_index}: {name} ends at row {arr.shape[0]}, before {start + len(data)}")
-        arr[start : start + len(data)] = data
+        _write_whole_shard(arr, layout, shard_index, data)
 
 
-def truncate(arrays: Mapping[str, zarr.Array], layout: Layout, fs: Any, root: str, num_shards: int) -> None:
-    """Drop everything past the first `num_shards` whole shards (shard files included), for resume.
-
-    `fs` is the fsspec filesystem holding the dataset at `root` (local or an object store)."""
-    rows = num_shards * layout.shard_rows
-    for name, arr in arrays.items():
-        arr.resize((rows, *arr.shape[1:]))
+def remove_shards_from(arrays: Mapping[str, zarr.Array], fs: Any, root: str, first: int) -> None:
+    """Delete every shard file numbered `first` or more (resuming drops what the journal does not
+    vouch for). `fs` is the fsspec filesystem holding the dataset at `root`."""
+    for name in arrays:
         shard_dir = f"{root}/{name}/c"
         if fs.isdir(shard_dir):
             names = [(p, p.rsplit("/", 1)[-1]) for p in fs.ls(shard_dir, detail=False)]
-            stale = [p for p, n in names if n.isdigit() and int(n) >= num_shards]
+            stale = [p for p, n in names if n.isdigit() and int(n) >= first]
             if stale:
                 fs.rm(stale, recursive=True)
 
@@ -392,6 +435,11 @@ def shard_keys(arrays: Mapping[str, zarr.Array], shard_index: int) -> list[str]:
     """The keys, relative to the dataset root, of the objects holding shard `shard_index` of each
     array (for fsync before journaling, and for verify)."""
     return [f"{arr.path}/{_shard_key(arr, shard_index)}" for arr in arrays.values()]
+
+
+def shard_key(arr: zarr.Array, shard_index: int) -> str:
+    """The key of shard `shard_index` of `arr`, relative to the dataset root."""
+    return f"{arr.path}/{_shard_key(arr, shard_index)}"
 
 
 def _shard_key(arr: zarr.Array, shard_index: int) -> str:
@@ -453,7 +501,7 @@ _INNER_CODECS = (["bytes", "zstd"], ["bytes", "blosc", "crc32c"], ["bytes", "crc
 
 def own_codecs(arr: zarr.Array) -> list[dict[str, Any]] | None:
     """The inner codecs of `arr` when its layout is the one batchctl writes and decodes itself
-    (`ChunkReader`, `_encode_shard`), else None and zarr-python does the work:
+    (`ChunkReader`, `ChunkEncoder`), else None:
     `sharding_indexed` with the index at the end (little-endian uint64 offset/nbytes pairs plus
     crc32c), one chunk across all but the first dimension, inner codecs bytes + zstd,
     bytes + blosc + crc32c, or bytes + crc32c, little-endian numbers."""

@@ -15,6 +15,8 @@ Why each is needed:
 - `process.current_process()._config["semprefix"]`: names the POSIX semaphores a build creates
   after its own pid, so a later build can tell a dead build's leftovers from a live one's.
 - `reduction.DupFd`: hands the sample ring's memfd to a child as it is started (no name at all).
+- `SimpleQueue._reader`: the collator waits on its inbox and its control pipe at once
+  (`multiprocessing.connection.wait`), so a stop request never waits behind a busy inbox.
 """
 
 from __future__ import annotations
@@ -70,6 +72,11 @@ def free_lock_of_dead(lock: Any) -> None:
 def name_semaphores_after(pid: int) -> None:
     """Semaphores created from now on are named `/batchctl-PID-XXXXXXXX` (`/dev/shm/sem.batchctl-...`)."""
     process.current_process()._config["semprefix"] = f"/batchctl-{pid}"  # type: ignore[attr-defined]
+
+
+def queue_reader(queue: Any) -> Any:
+    """The receiving `Connection` of a `SimpleQueue`, for `multiprocessing.connection.wait`."""
+    return queue._reader
 
 
 def dup_fd_for_child(fd: int) -> Any:

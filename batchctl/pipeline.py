@@ -20,7 +20,18 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from batchctl.collate import CollatorConfig, Crashed, End, Event, Finished, Rejected, ShardWritten, run_collator
+from batchctl.collate import (
+    BatchWritten,
+    CollatorConfig,
+    Crashed,
+    End,
+    Event,
+    Finished,
+    Rejected,
+    Stop,
+    Stopped,
+    run_collator,
+)
 from batchctl.mpinternals import name_semaphores_after, pool_workers, shut_down_pool
 from batchctl.preprocess import Preprocessor
 from batchctl.processes import mp_context, signals_deferred, signals_ignored, start_forkserver
@@ -31,6 +42,7 @@ from batchctl.storage import SourceRoot
 from batchctl.workers import BoundedFeed, Done, Task, TaskResult, WorkerSlots, chunked, run_chunk, start_pool
 
 HEALTH_CHECK_S = 1.0  # how long a blocking wait lasts before the children are checked on
+STOP_WAIT_S = 3.0  # how long a stopping collator may take to write its last batch
 CHUNKS_PER_WORKER = 3  # chunks in flight per worker: enough to keep it busy, few enough to stay small
 
 
@@ -71,6 +83,7 @@ class Pipeline:
         # The pipe bounds it: a put blocks while the collator is behind.
         self.inbox: Any = self.ctx.SimpleQueue()
         self.events: Any = self.ctx.Queue()
+        self.control, self.control_end = self.ctx.Pipe(duplex=False)  # the parent's Stop to the collator
         self.collator: Any = None
         self.pool: Any = None
         self.feed: BoundedFeed | None = None
@@ -98,7 +111,9 @@ class Pipeline:
         start_forkserver()
         with signals_deferred():
             self.collator = self.ctx.Process(
-                target=run_collator, args=(cfg.collator, self.inbox, self.events, self.ring), name="batchctl-collator"
+                target=run_collator,
+                args=(cfg.collator, self.inbox, self.control, self.events, self.ring),
+                name="batchctl-collator",
             )
             self.collator.start()
         if tasks:
@@ -197,20 +212,19 @@ class Pipeline:
             self.chunk_of[task.index] = rest
         self.feed.retry(rest)
 
-    def _drain_events(self, block: bool = False) -> Finished | None:
+    def _drain_events(self, block: bool = False) -> Finished | Stopped | None:
         while True:
             try:
                 event: Event = self.events.get(block=block, timeout=HEALTH_CHECK_S if block else None)
             except queue.Empty:
                 return None
-            if isinstance(event, ShardWritten):
-                batch = self.config.collator.batch_size
-                self.progress.batches_written(-(-event.rows // batch))
+            if isinstance(event, BatchWritten):
+                self.progress.batches_written(1)
             elif isinstance(event, Rejected):
                 self.on_rejected(event)
             elif isinstance(event, Crashed):
                 raise PipelineError(event.message)
-            elif isinstance(event, Finished):
+            elif isinstance(event, (Finished, Stopped)):
                 return event
 
     def _wait_finished(self) -> Finished:
@@ -218,25 +232,40 @@ class Pipeline:
             finished = self._drain_events(block=True)
             if finished is None and not self.collator.is_alive():
                 finished = self._drain_events(block=True)  # what it sent just before exiting
-            if finished is not None:
+            if isinstance(finished, Finished):
                 self.collator.join()
                 return finished
             if not self.collator.is_alive():
                 self._check_children()
 
     def _abort(self) -> None:
-        """End every child now; queued data is dropped (what was journaled stays for resume)."""
+        """End every child now: the workers are killed (what they were preprocessing is done
+        again by the next run), the collator writes and journals every sample it received, and
+        whatever else is queued is dropped."""
         with signals_ignored():
             if self.feed is not None:
                 self.feed.stop()
             if self.pool is not None:
                 shut_down_pool(self.pool)
             if self.collator is not None and self.collator.is_alive():
-                self.collator.kill()  # it ignores SIGTERM; what it journaled stays for resume
-                self.collator.join(5)
+                self._stop_collator()
             self.events.cancel_join_thread()
             self.events.close()
             self.inbox.close()
+
+    def _stop_collator(self) -> None:
+        """Ask the collator to stop, wait for it a few seconds, then kill it (it ignores SIGTERM)."""
+        with contextlib.suppress(OSError):
+            self.control_end.send(Stop())
+        deadline = time.monotonic() + STOP_WAIT_S
+        with contextlib.suppress(PipelineError, OSError, ValueError):
+            while self.collator.is_alive() and time.monotonic() < deadline:
+                if isinstance(self._drain_events(block=True), Stopped):
+                    break
+        self.collator.join(max(0.0, deadline - time.monotonic()))
+        if self.collator.is_alive():
+            self.collator.kill()
+            self.collator.join(5)
 
     def _remember_workers(self) -> None:
         """Keep the pool's worker processes, whose exit codes say how a vanished worker died."""

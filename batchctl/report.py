@@ -27,7 +27,8 @@ class BuildReport:
     shards: int = 0
     bytes: int = 0
     processed: int = 0
-    resumed_shards: int = 0
+    resumed_shards: int = 0  # finished shards kept from an interrupted run
+    resumed_samples: int = 0  # samples kept from an interrupted run (in those shards and after them)
     errors: list[FileError] = field(default_factory=list)
     ignored: int = 0
     elapsed_s: float = 0.0
@@ -56,8 +57,8 @@ class BuildReport:
             f"{verb} {self.output}: {count_of(self.samples, 'sample')} in {count_of(self.batches, 'batch')}, "
             f"{count_of(self.shards, 'shard')}, {_size(self.bytes)}; {count_of(self.processed, 'file')} preprocessed"
         )
-        if self.resumed_shards:
-            text += f" ({count_of(self.resumed_shards, 'shard')} kept from an interrupted run)"
+        if self.resumed_samples:
+            text += f" ({count_of(self.resumed_samples, 'sample')} kept from an interrupted run)"
         text += f", {len(self.errors)} skipped with errors, {self.ignored} ignored; "
         text += f"{self.elapsed_s:.1f} s, {self.samples_per_s:.1f} samples/s."
         return text

@@ -209,21 +209,21 @@ def read_state(paths: BuildPaths) -> dict[str, Any] | None:
 
 
 def read_journal(paths: BuildPaths) -> list[dict[str, Any]]:
-    """The journaled shards 0..K-1, in order; a torn or out-of-order tail is dropped."""
-    shards: list[dict[str, Any]] = []
+    """The journal's lines, in order, up to a torn one: one per batch written
+    (`{"batch", "shard", "rows", "chunks", "files"}`) and one per shard finished (`{"shard_done"}`)."""
+    lines: list[dict[str, Any]] = []
     try:
-        lines = _remote_journal(paths) if paths.remote else paths.journal.read_text(encoding="utf-8").splitlines()
-    except OSError:
-        return shards
-    for line in lines:
+        if paths.remote:
+            return [line for text in _remote_journal(paths) for line in json.loads(text)]
+        texts = paths.journal.read_text(encoding="utf-8").splitlines()
+    except (OSError, ValueError):
+        return lines
+    for text in texts:
         try:
-            entry = json.loads(line)
+            lines.append(json.loads(text))
         except ValueError:
             break
-        if entry.get("shard") != len(shards):
-            break
-        shards.append(entry)
-    return shards
+    return lines
 
 
 def _remote_journal(paths: BuildPaths) -> list[str]:
@@ -237,29 +237,87 @@ def journal_key(paths: BuildPaths, shard: int) -> str:
     return storage.fs_path(f"{paths.journal_url}/{shard:08d}.json")
 
 
-def append_journal(paths: BuildPaths, entry: dict[str, Any]) -> None:
-    line = json.dumps(entry)
+def append_journal(paths: BuildPaths, lines: list[dict[str, Any]]) -> None:
+    """Append lines durably. A URL OUTPUT journals whole shards only: `lines` must end with the
+    shard's `shard_done`, and they become that shard's one journal object."""
+    if not lines:
+        return
     if paths.remote:
-        paths.fs.pipe_file(journal_key(paths, entry["shard"]), line.encode())
+        paths.fs.pipe_file(journal_key(paths, lines[-1]["shard_done"]), json.dumps(lines).encode())
         return
     with open(paths.journal, "a", encoding="utf-8") as journal:
-        journal.write(line + "\n")
+        journal.writelines(json.dumps(line) + "\n" for line in lines)
         journal.flush()
         os.fsync(journal.fileno())
 
 
-def rewrite_journal(paths: BuildPaths, shards: list[dict[str, Any]]) -> None:
+def rewrite_journal(paths: BuildPaths, lines: list[dict[str, Any]]) -> None:
+    """Keep only `lines` (what a resumed build trusts)."""
     if paths.remote:
         fs, where = paths.fs, storage.fs_path(paths.journal_url)
-        keep = {journal_key(paths, i) for i in range(len(shards))}
+        done = {line["shard_done"] for line in lines if "shard_done" in line}
+        keep = {journal_key(paths, shard) for shard in done}
         stale = [name for name in (fs.ls(where, detail=False) if fs.exists(where) else []) if name not in keep]
         if stale:
             fs.rm(stale)
         return
     with open(paths.journal, "w", encoding="utf-8") as journal:
-        journal.writelines(json.dumps(entry) + "\n" for entry in shards)
+        journal.writelines(json.dumps(line) + "\n" for line in lines)
         journal.flush()
         os.fsync(journal.fileno())
+
+
+@dataclass(frozen=True)
+class Journaled:
+    """What an interrupted build left that a resumed one keeps: its full batches in order, the
+    half-filled batch it stopped in (if any), and how many shards it finished."""
+
+    batches: list[dict[str, Any]]
+    partial: dict[str, Any] | None
+    done_shards: int
+
+    def lines(self) -> list[dict[str, Any]]:
+        """The journal of just this, in order."""
+        out: list[dict[str, Any]] = []
+        for batch in self.batches:
+            out.append(batch)
+            if batch["shard"] < self.done_shards and _last_of_shard(batch, self.batches):
+                out.append({"shard_done": batch["shard"]})
+        return out + ([self.partial] if self.partial else [])
+
+    @property
+    def entries(self) -> list[list[Any]]:
+        """The file entries of every kept row, the half-filled batch's included."""
+        batches = self.batches + ([self.partial] if self.partial else [])
+        return [entry for batch in batches for entry in batch["files"]]
+
+
+def _last_of_shard(batch: dict[str, Any], batches: list[dict[str, Any]]) -> bool:
+    following = batch["batch"] + 1
+    return following >= len(batches) or batches[following]["shard"] != batch["shard"]
+
+
+def resolve_journal(lines: list[dict[str, Any]], batch_size: int) -> Journaled:
+    """The batches 0..K-1 in order, a later line for a batch replacing an earlier one (a resumed
+    half-filled batch is written again once full). Only the last batch can be short; anything
+    out of order ends the journal there."""
+    batches: list[dict[str, Any]] = []
+    done = 0
+    for line in lines:
+        if "shard_done" in line:
+            done += line["shard_done"] == done
+            continue
+        number = line.get("batch")
+        if batches and number == batches[-1]["batch"] and batches[-1]["rows"] < batch_size:
+            batches[-1] = line  # the half-filled batch, written again
+        elif number == len(batches) and (not batches or batches[-1]["rows"] == batch_size):
+            batches.append(line)
+        else:
+            break
+    partial = None
+    if batches and batches[-1]["rows"] < batch_size and batches[-1]["shard"] >= done:  # not a closed final shard
+        partial = batches.pop()
+    return Journaled(batches, partial, done)
 
 
 def discard(paths: BuildPaths) -> None:

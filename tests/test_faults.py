@@ -29,12 +29,17 @@ from tests.test_build import image_files
 SLOW = ["--preprocess", f"{PLUGINS}:slow_image", "--batch-size", "4", "--shard-batches", "1", "--workers", "2"]
 
 
-def journal_shards(out: Path) -> int:
+def journal_lines(out: Path) -> list[dict]:
     journal = out.parent / f".{out.name}.batchctl" / "journal.jsonl"
     try:
-        return len(journal.read_text().splitlines())
-    except OSError:
-        return 0
+        return [json.loads(line) for line in journal.read_text().splitlines()]
+    except (OSError, ValueError):
+        return []
+
+
+def journal_shards(out: Path) -> int:
+    """Shards finished (indexed) and journaled so far."""
+    return sum("shard_done" in line for line in journal_lines(out))
 
 
 def assert_exactly_once(out: Path, expected: set[str]) -> None:

@@ -1,0 +1,90 @@
+"""Shards written batch by batch: a `sharding_indexed` shard with its index at the end is its
+encoded chunks one after another, then the index, so a batch is appended the moment it is full
+and the index is written last. A local shard file grows in place and is fsynced before the
+journal names its batches; an object store cannot append, so a remote shard is sent whole, in
+one PUT, once its last batch is in.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import zarr
+
+from batchctl import format as fmt
+from batchctl.errors import FormatError
+
+Chunk = tuple[int, int]  # (offset, nbytes) of one encoded chunk in its shard
+
+
+class OpenShard:
+    """One array's shard being filled: `append` a batch, `finish` with the index."""
+
+    def __init__(self, arr: zarr.Array, shard_index: int, local_root: Path | None, chunks: list[Chunk]) -> None:
+        self.arr = arr
+        self.key = fmt.shard_key(arr, shard_index)
+        self.chunks = list(chunks)  # already there (resumed), in order
+        self.size = chunks[-1][0] + chunks[-1][1] if chunks else 0
+        self.fd: int | None = None
+        self.pieces: list[Any] = []  # remote: held until the shard is whole
+        if local_root is not None:
+            path = local_root / self.key
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            os.ftruncate(self.fd, self.size)  # drops whatever was written after the last journaled batch
+
+    def append(self, pieces: list[Any]) -> Chunk:
+        nbytes = sum(len(piece) for piece in pieces)
+        chunk = (self.size, nbytes)
+        if self.fd is None:  # copies: an uncompressed piece views the batch buffer, which is filled again
+            self.pieces += [bytes(piece) for piece in pieces]
+        else:
+            _pwritev_all(self.fd, pieces, self.size)
+        self.size += nbytes
+        self.chunks.append(chunk)
+        return chunk
+
+    def sync(self) -> None:
+        if self.fd is not None:
+            os.fsync(self.fd)
+
+    def finish(self, shard_batches: int) -> None:
+        """Write the index (local: then fsync and close; remote: the whole shard in one PUT)."""
+        index = fmt.shard_index_bytes(self.chunks, shard_batches)
+        if self.fd is None:
+            fmt.store_object(self.arr, self.key, [*self.pieces, *index])
+            self.pieces = []
+            return
+        _pwritev_all(self.fd, index, self.size)
+        os.fsync(self.fd)
+        self.close()
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _pwritev_all(fd: int, pieces: list[Any], offset: int) -> None:
+    """All of `pieces` at `offset` (pwritev may write less than asked)."""
+    views = [memoryview(piece).cast("B") for piece in pieces if len(piece)]
+    while views:
+        written = os.pwritev(fd, views, offset)
+        offset += written
+        while views and written >= len(views[0]):
+            written -= len(views[0])
+            views.pop(0)
+        if views and written:
+            views[0] = views[0][written:]
+
+
+def read_chunk(arr: zarr.Array, shard_index: int, local_root: Path, chunk: Chunk) -> bytes:
+    """The stored bytes of one chunk of a local shard file (a half-filled batch being resumed)."""
+    with open(local_root / fmt.shard_key(arr, shard_index), "rb") as file:
+        file.seek(chunk[0])
+        data = file.read(chunk[1])
+    if len(data) != chunk[1]:
+        raise FormatError(f"{arr.path} shard {shard_index}: the file ends inside a journaled batch")
+    return data
