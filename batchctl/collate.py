@@ -11,6 +11,7 @@ rejected with the field and both shapes.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -322,6 +323,34 @@ class Collator:
         return Stopped(self.samples)
 
 
+def _collate(message: Any, collator: Collator, ring: SampleRing | None) -> None:
+    """One worker's chunk: in its ring slot, or pickled in the message itself."""
+    if isinstance(message, InRing):
+        assert ring is not None
+        for output in ring.outputs(message):
+            collator.add(output)
+        ring.release(message)
+    else:
+        for output in message:
+            collator.add(output)
+
+
+def _drain(inbox: SimpleQueue[Any], reader: Connection, collator: Collator, ring: SampleRing | None) -> None:
+    """On Stop, take the messages already in the inbox too: a worker's result reaches the parent
+    only after its message is in the pipe, so these are samples the parent counted as done. The
+    workers are dead by now: one killed half-way through writing leaves a torn message, which
+    would block a read for ever, so the pipe is read without blocking and the drain ends there."""
+    os.set_blocking(reader.fileno(), False)
+    while reader.poll(0):
+        try:
+            message = inbox.get()
+        except Exception:  # noqa: BLE001 - a torn or undecodable message: the end of what arrived
+            return
+        if isinstance(message, End):
+            return
+        _collate(message, collator, ring)
+
+
 def _chunk(batch: dict[str, Any], name: str) -> shards.Chunk:
     offset, nbytes = batch["chunks"][name]
     return int(offset), int(nbytes)
@@ -348,20 +377,14 @@ def run_collator(
         while True:
             if control in wait([control, reader]):
                 control.recv()
+                _drain(inbox, reader, collator, ring)
                 events.put(collator.stop())
                 break
             message = inbox.get()
             if isinstance(message, End):
                 events.put(collator.finish())
                 break
-            if isinstance(message, InRing):  # one worker's chunk
-                assert ring is not None
-                for output in ring.outputs(message):
-                    collator.add(output)
-                ring.release(message)
-            else:
-                for output in message:
-                    collator.add(output)
+            _collate(message, collator, ring)
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails the build
         events.put(Crashed(f"the collator failed writing {config.paths.url}: {describe_error(exc)}"))
         events.close()
