@@ -32,6 +32,18 @@ def check_goals(results: dict[str, Any]) -> list[tuple[str, bool]]:
         goals.append(
             (f"peak RSS {mem['peak_rss_4n_mib']:.0f} MiB < (W+2) x 200 = {cap} MiB", mem["peak_rss_4n_mib"] < cap)
         )
+        goals.append(
+            (f"peak RSS of the tree <= 400 MiB: {mem['peak_rss_4n_mib']:.0f} MiB", mem["peak_rss_4n_mib"] <= 400)
+        )
+        threads = results["images"].get("threads")
+        if threads and threads.get("serial_fraction") is not None:
+            goals.append(
+                (
+                    f"busiest non-worker thread ({threads['busiest_other_thread']}) <= 1/20 of a worker's CPU "
+                    f"(per file, start-up left out): {threads['serial_fraction']:.3f}",
+                    threads["serial_fraction"] <= 0.05,
+                )
+            )
         naive = next(r for r in results["images"]["rows"] if r["tool"].startswith("naive"))
         goals.append(
             (

@@ -48,9 +48,59 @@ def tree_rss(pid: int) -> int:
     return total
 
 
-def run_measured(cmd: list[str]) -> tuple[float, int, subprocess.CompletedProcess[str]]:
-    """Wall time and peak tree RSS of a command; each starts with no dirty pages left by the one
-    before (its writeback would otherwise slow the next run: 2 workers measured 0.6x of 1)."""
+TICK_S = 1 / os.sysconf("SC_CLK_TCK")
+
+
+Threads = dict[tuple[int, int], tuple[str, float]]
+
+
+def tree_threads(pid: int, into: Threads) -> None:
+    """CPU seconds so far of every thread of `pid` and its descendants, by (pid, tid), with its
+    role ("parent", or the process's name; "/main" for a process's main thread, else the thread's
+    name); a thread that has ended keeps its last figure."""
+    stack = [pid]
+    while stack:
+        current = stack.pop()
+        try:
+            process = "parent" if current == pid else Path(f"/proc/{current}/comm").read_text().strip()
+            for task in Path(f"/proc/{current}/task").iterdir():
+                stat = (task / "stat").read_text().rsplit(")", 1)[1].split()
+                thread = "main" if int(task.name) == current else (task / "comm").read_text().strip()
+                into[(current, int(task.name))] = (f"{process}/{thread}", (int(stat[11]) + int(stat[12])) * TICK_S)
+                stack.extend(int(child) for child in (task / "children").read_text().split())
+        except OSError:
+            continue
+
+
+def role_cpu(threads: Threads) -> dict[str, float]:
+    """CPU seconds per role, averaged over the processes that share it (the workers)."""
+    totals: dict[str, list[float]] = {}
+    for role, cpu in threads.values():
+        totals.setdefault(role, []).append(cpu)
+    return {role: sum(cpus) / len(cpus) for role, cpus in totals.items()}
+
+
+def serial_fraction(n: Threads, twice: Threads) -> dict[str, Any]:
+    """The busiest thread other than the workers' preprocessing threads, as a fraction of one
+    worker's CPU, for the files added from N to 2N (start-up left out): what caps a build at
+    1/fraction workers however many cores there are."""
+    small, big = role_cpu(n), role_cpu(twice)
+    marginal = {role: big[role] - small.get(role, 0.0) for role in big}
+    worker = marginal.pop("batchctl-worker/main", 0.0)
+    busiest = max(marginal, key=lambda role: marginal[role], default="")
+    return {
+        "worker_cpu_s_per_n_files": round(worker, 3),
+        "busiest_other_thread": busiest,
+        "busiest_other_cpu_s_per_n_files": round(marginal.get(busiest, 0.0), 3),
+        "serial_fraction": round(marginal.get(busiest, 0.0) / worker, 4) if worker else None,
+        "all_roles_cpu_s_per_n_files": {role: round(cpu, 3) for role, cpu in sorted(marginal.items())},
+    }
+
+
+def run_measured(cmd: list[str], threads: Threads | None = None) -> tuple[float, int, subprocess.CompletedProcess[str]]:
+    """Wall time and peak tree RSS of a command (and, given `threads`, each thread's CPU); each
+    starts with no dirty pages left by the one before (its writeback would otherwise slow the
+    next run: 2 workers measured 0.6x of 1)."""
     os.sync()
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -61,7 +111,9 @@ def run_measured(cmd: list[str]) -> tuple[float, int, subprocess.CompletedProces
         nonlocal peak
         while not stop.is_set():
             peak = max(peak, tree_rss(proc.pid))
-            stop.wait(0.2)
+            if threads is not None:
+                tree_threads(proc.pid, threads)
+            stop.wait(0.1 if threads is not None else 0.2)
 
     thread = threading.Thread(target=sample, daemon=True)
     thread.start()
@@ -178,12 +230,22 @@ def bench_images(root: Path, count: int, results: dict[str, Any]) -> None:
             target = big / path.parent.name / f"{copy}_{path.name}"
             target.parent.mkdir(parents=True, exist_ok=True)
             os.link(path, target)
-    _, peak_n, _ = run_measured(batchctl_cmd(src, root / "mem1.zarr", CORES))
+    threads_n: Threads = {}
+    threads_2n: Threads = {}
+    _, peak_n, _ = run_measured(batchctl_cmd(src, root / "mem1.zarr", CORES), threads_n)
     _, peak_4n, _ = run_measured(batchctl_cmd(big, root / "mem4.zarr", CORES))
+    twice = root / "images2x"
+    for path in big.rglob("*"):
+        if path.is_file() and path.name.split("_", 1)[0] in ("0", "1"):
+            target = twice / path.relative_to(big)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.link(path, target)
+    run_measured(batchctl_cmd(twice, root / "threads2.zarr", CORES), threads_2n)
     results["images"] = {
         "files": count,
         "serial_rate": round(r, 1),
         "rows": rows,
+        "threads": {"workers": CORES, "files_n": count, **serial_fraction(threads_n, threads_2n)},
         "memory": {
             "files_n": count,
             "peak_rss_n_mib": round(peak_n / 2**20, 1),
