@@ -14,7 +14,7 @@ from __future__ import annotations
 import io
 import os
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -54,7 +54,6 @@ class GroupResult:
     full: bool  # wrote shard `index` whole; else its rows are in the spill object
     pid: int
     host: str
-    rejected: list[tuple[str, str, int]] = field(default_factory=list)
 
 
 def plan_groups(tasks: list[Task], shard_rows: int, expected: Callable[[Task], int]) -> list[list[Task]]:
@@ -73,14 +72,13 @@ def plan_groups(tasks: list[Task], shard_rows: int, expected: Callable[[Task], i
 def run_group(spec: GroupSpec) -> GroupResult:
     """Dask task: preprocess one group, then write its shard, or spill its rows."""
     preprocessor: Preprocessor = resolve(spec.preprocess)
-    results, outputs, rejected = [], [], []
+    results, outputs = [], []
     for task in spec.tasks:
         result, output = preprocess_task(task, preprocessor, spec.options, spec.source)
         if output is not None:
             first = {name: column[0] for name, column in output.columns.items()}
             reason = check_schema(spec.schema, first)
             if reason:
-                rejected.append((task.item.relpath, reason, output.rows))
                 result = TaskResult(task, 0, reason)
                 output = None
         results.append(result)
@@ -94,7 +92,7 @@ def run_group(spec: GroupSpec) -> GroupResult:
         fmt.write_shard_at(fmt.open_arrays(group), spec.layout, spec.index, columns)
     else:
         _write_spill(spec, columns)
-    return GroupResult(spec.index, results, rows, full, os.getpid(), os.uname().nodename, rejected)
+    return GroupResult(spec.index, results, rows, full, os.getpid(), os.uname().nodename)
 
 
 def _columns(outputs: list[Any], schema: Mapping[str, fmt.FieldSpec], labelled: bool) -> dict[str, np.ndarray]:

@@ -1,9 +1,10 @@
 """The on-disk format, enforced here and nowhere else (docs/format.md describes it).
 
 A dataset is a Zarr v3 group. Every array has one row per sample, is chunked by exactly
-`batch_size` rows (one chunk = one batch) and sharded by `shard_batches` chunks. Shards are only
-ever written whole, once, by one writer: zarr 3.1 rewrites a whole shard for any write into it and
-has no locking, so partial writes from several processes lose rows (shared/FACTS.md).
+`batch_size` rows (one chunk = one batch) and sharded by `shard_batches` chunks. batchctl encodes
+its chunks and shards itself (`ChunkEncoder`, byte for byte what zarr-python writes) and each shard
+has one writer: zarr 3.1 rewrites a whole shard for any write into it and has no locking, so
+partial writes from several processes would lose rows (zarr issues #3514, #3682).
 """
 
 from __future__ import annotations

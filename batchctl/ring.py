@@ -1,9 +1,9 @@
 """The sample ring: shared-memory slots that carry samples from the workers to the collator.
 
-Pickling a chunk's arrays through a pipe costs a copy through the kernel on each side (~250 MB/s,
-shared/FACTS.md), and py-spy showed the collator's reads as its largest cost. Instead a worker
-copies its columns into its own slot of one shared-memory segment and sends only a small
-`InRing` through the pipe; the collator copies the rows straight into its shard and frees the slot.
+Pickling a chunk's arrays through a pipe costs a copy through the kernel on each side (measured
+~230-300 MB/s on Python 3.11), and py-spy showed the collator's reads as its largest cost. Instead
+a worker copies its columns into its own slot of one shared-memory segment and sends only a small
+`InRing` through the pipe; the collator copies the rows straight into its batch and frees the slot.
 
 Ring slot k belongs to whichever worker holds `WorkerSlots` slot k, so workers share no lock; a
 semaphore per slot says the collator is done with it. A worker that dies may die holding its
