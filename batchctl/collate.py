@@ -14,6 +14,9 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from multiprocessing.queues import Queue, SimpleQueue
@@ -32,6 +35,12 @@ from batchctl.staging import BuildPaths
 from batchctl.workers import TaskOutput, describe_error
 
 SYNC_S = 1.0  # batches are journaled (their shard files fsynced first) at most this long after being written
+# Threads that encode and write batches (zstd, blosc, crc32c and pwritev release the GIL). The
+# kernel's copy into the page cache alone cost up to ~1/6 of a worker's CPU per photo here, so it
+# is spread thin: with 8 threads no one thread exceeds ~1/25 (benchmarks/run.py measures it).
+WRITE_THREADS = 8
+BATCHES_IN_FLIGHT = 6  # batch buffers being encoded or written, at most (memory: a few batches)
+WRITE_SLICE = 2**20  # a big chunk is written in slices of this many bytes, by all writer threads at once
 
 
 @dataclass(frozen=True)
@@ -110,6 +119,17 @@ def check_schema(schema: fmt.Schema, sample: Sample) -> str | None:
 
 
 @dataclass
+class _InFlight:
+    """A full batch handed to the writer threads: encoded, then placed in its shard (in batch
+    order) and written; journaled once it and every batch before it are written and fsynced."""
+
+    line: dict[str, Any]  # its journal line, chunks filled in when placed
+    encoding: Future[dict[str, list[Any]]]
+    buffers: dict[str, np.ndarray]
+    writing: list[Future[None]] | None = None
+
+
+@dataclass
 class _Batch:
     """The rows of the batch being filled, plus the journal entries describing them."""
 
@@ -138,6 +158,9 @@ class Collator:
         self.open: dict[str, shards.OpenShard] = {}
         self.open_index = -1  # the shard being filled, or -1
         self.unjournaled: list[dict[str, Any]] = []
+        self.in_flight: deque[_InFlight] = deque()
+        self.spare: list[dict[str, np.ndarray]] = []  # batch buffers free to be filled again
+        self.threads = ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="batchctl-write")
         self.last_sync = time.monotonic()
         if self.arrays:
             self._adopt_existing()
@@ -199,6 +222,12 @@ class Collator:
         self._layout(layout)
 
     def _new_batch(self) -> _Batch:
+        """An empty batch: buffers a written batch gave back, else fresh ones (at most
+        BATCHES_IN_FLIGHT + 1 sets in all: past that, wait for the oldest batch in flight)."""
+        while not self.spare and len(self.in_flight) >= BATCHES_IN_FLIGHT:
+            self._advance(block=True)
+        if self.spare:
+            return _Batch(self.spare.pop())
         assert self.schema is not None and self.layout is not None
         rows = self.layout.batch_size
         columns = {name: np.empty((rows, *spec.shape), spec.dtype) for name, spec in self.schema.items()}
@@ -254,23 +283,57 @@ class Collator:
             self._sync()
 
     def _append_batch(self) -> None:
-        """Encode the batch and append it to its shard (opened with its first batch), to be
-        journaled at the next sync."""
+        """Hand the batch to the writer threads to be encoded, placed in its shard (opened with
+        its first batch) and written; it is journaled at the next sync after that."""
         assert self.batch is not None
         batch, rows = self.batch, self.batch.rows
         if not self.open:
             self._open_shards(self.next_batch // self._shard_batches(), {})
-        chunks = {}
-        for name, arr in self.arrays.items():
-            column = batch.columns[name] if name != fmt.SOURCE else fmt.stored_column(arr, name, batch.sources)
-            chunks[name] = list(self.open[name].append(self.encoders[name].encode(column[:rows])))
-        self.unjournaled.append(
-            {"batch": self.next_batch, "shard": self.open_index, "rows": rows, "chunks": chunks, "files": batch.entries}
-        )
-        self.events.put(BatchWritten(rows))
+        columns = {name: batch.columns[name][:rows] for name in self.arrays if name != fmt.SOURCE}
+        columns[fmt.SOURCE] = fmt.stored_column(self.arrays[fmt.SOURCE], fmt.SOURCE, batch.sources)
+        line = {"batch": self.next_batch, "shard": self.open_index, "rows": rows, "chunks": {}, "files": batch.entries}
+        self.in_flight.append(_InFlight(line, self.threads.submit(self._encode, columns), batch.columns))
         self.samples += rows
         self.next_batch += 1
-        self.batch = _Batch(batch.columns)  # the same buffers, filled again
+        self._advance()
+        self.batch = self._new_batch()
+
+    def _encode(self, columns: dict[str, np.ndarray]) -> dict[str, list[Any]]:
+        return {name: self.encoders[name].encode(column) for name, column in columns.items()}
+
+    def _advance(self, block: bool = False) -> None:
+        """Place encoded batches in their shards in order and start writing them; take back the
+        buffers of written ones and queue their lines for the journal. `block`: wait for the
+        oldest batch in flight to be written."""
+        for item in self.in_flight:
+            if item.writing is not None:
+                continue
+            if not (block or item.encoding.done()):
+                break
+            pieces = item.encoding.result()
+            item.writing = []
+            for name, chunk_pieces in pieces.items():
+                shard = self.open[name]
+                offset, nbytes = shard.reserve(sum(len(piece) for piece in chunk_pieces))
+                item.line["chunks"][name] = [offset, nbytes]
+                for start, data in _slices(chunk_pieces, offset):
+                    item.writing.append(self.threads.submit(shard.write, start, data))
+        while self.in_flight and self.in_flight[0].writing is not None:
+            oldest = self.in_flight[0]
+            if not (block or all(future.done() for future in oldest.writing or ())):
+                break
+            for future in oldest.writing or ():
+                future.result()  # re-raises a failed write here
+            self.in_flight.popleft()
+            self.spare.append(oldest.buffers)
+            self.unjournaled.append(oldest.line)
+            self.events.put(BatchWritten(oldest.line["rows"]))
+            block = False
+
+    def _settle(self) -> None:
+        """Wait until every batch handed over is written."""
+        while self.in_flight:
+            self._advance(block=True)
 
     def _open_shards(self, shard: int, chunks: dict[str, list[shards.Chunk]]) -> None:
         self.open_index = shard
@@ -285,12 +348,14 @@ class Collator:
         self.last_sync = time.monotonic()
         if self.config.paths.remote:
             return
+        self._settle()
         for shard in self.open.values():
             shard.sync()
         staging.append_journal(self.config.paths, self.unjournaled)
         self.unjournaled = []
 
     def _close_shards(self) -> None:
+        self._settle()
         for open_shard in self.open.values():
             open_shard.finish(self._shard_batches())
         self.open = {}
@@ -305,6 +370,7 @@ class Collator:
             self._write_batch()
         if self.open:
             self._close_shards()
+        self.threads.shutdown()
         for arr in self.arrays.values():
             arr.resize((self.samples, *arr.shape[1:]))
         schema = {name: spec.to_json() for name, spec in (self.schema or {}).items()}
@@ -317,10 +383,22 @@ class Collator:
         resumed build fills that batch up. (An object store keeps only its finished shards.)"""
         if self.batch is not None and self.batch.rows:
             self._append_batch()
+        self._settle()
         self._sync()
         for shard in self.open.values():
             shard.close()
+        self.threads.shutdown()
         return Stopped(self.samples)
+
+
+def _slices(pieces: list[Any], offset: int) -> Iterator[tuple[int, memoryview]]:
+    """A chunk's pieces as (offset, bytes) slices of at most WRITE_SLICE bytes, so one big chunk
+    is written by several threads at once."""
+    for piece in pieces:
+        view = memoryview(piece).cast("B")
+        for start in range(0, len(view), WRITE_SLICE):
+            yield offset + start, view[start : start + WRITE_SLICE]
+        offset += len(view)
 
 
 def _collate(message: Any, collator: Collator, ring: SampleRing | None) -> None:

@@ -28,23 +28,27 @@ class OpenShard:
         self.chunks = list(chunks)  # already there (resumed), in order
         self.size = chunks[-1][0] + chunks[-1][1] if chunks else 0
         self.fd: int | None = None
-        self.pieces: list[Any] = []  # remote: held until the shard is whole
+        self.remote: dict[int, bytes] = {}  # remote: the bytes written, by offset, until the shard is whole
         if local_root is not None:
             path = local_root / self.key
             path.parent.mkdir(parents=True, exist_ok=True)
             self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
             os.ftruncate(self.fd, self.size)  # drops whatever was written after the last journaled batch
 
-    def append(self, pieces: list[Any]) -> Chunk:
-        nbytes = sum(len(piece) for piece in pieces)
+    def reserve(self, nbytes: int) -> Chunk:
+        """The place of the next chunk, `nbytes` long (chunks are placed in batch order, and
+        written, perhaps several at once by different threads, with `write`)."""
         chunk = (self.size, nbytes)
-        if self.fd is None:  # copies: an uncompressed piece views the batch buffer, which is filled again
-            self.pieces += [bytes(piece) for piece in pieces]
-        else:
-            _pwritev_all(self.fd, pieces, self.size)
         self.size += nbytes
         self.chunks.append(chunk)
         return chunk
+
+    def write(self, offset: int, data: Any) -> None:
+        """Bytes of a reserved chunk (all of it, or a slice) at `offset`; any thread may call it."""
+        if self.fd is None:  # a copy: an uncompressed chunk views a batch buffer, which is filled again
+            self.remote[offset] = bytes(data)
+        else:
+            _pwritev_all(self.fd, [data], offset)
 
     def sync(self) -> None:
         if self.fd is not None:
@@ -54,8 +58,9 @@ class OpenShard:
         """Write the index (local: then fsync and close; remote: the whole shard in one PUT)."""
         index = fmt.shard_index_bytes(self.chunks, shard_batches)
         if self.fd is None:
-            fmt.store_object(self.arr, self.key, [*self.pieces, *index])
-            self.pieces = []
+            pieces = [self.remote[offset] for offset in sorted(self.remote)]
+            fmt.store_object(self.arr, self.key, [*pieces, *index])
+            self.remote = {}
             return
         _pwritev_all(self.fd, index, self.size)
         os.fsync(self.fd)

@@ -73,19 +73,22 @@ def tree_threads(pid: int, into: Threads) -> None:
 
 
 def role_cpu(threads: Threads) -> dict[str, float]:
-    """CPU seconds per role, averaged over the processes that share it (the workers)."""
+    """CPU seconds per role: the mean over the worker processes' main threads, the busiest thread
+    of any other role (several writer threads share one)."""
     totals: dict[str, list[float]] = {}
     for role, cpu in threads.values():
         totals.setdefault(role, []).append(cpu)
-    return {role: sum(cpus) / len(cpus) for role, cpus in totals.items()}
+    return {
+        role: sum(cpus) / len(cpus) if role == "batchctl-worker/main" else max(cpus) for role, cpus in totals.items()
+    }
 
 
-def serial_fraction(n: Threads, twice: Threads) -> dict[str, Any]:
+def serial_fraction(n: Threads, more: Threads, times: int) -> dict[str, Any]:
     """The busiest thread other than the workers' preprocessing threads, as a fraction of one
-    worker's CPU, for the files added from N to 2N (start-up left out): what caps a build at
-    1/fraction workers however many cores there are."""
-    small, big = role_cpu(n), role_cpu(twice)
-    marginal = {role: big[role] - small.get(role, 0.0) for role in big}
+    worker's CPU, per N files added (`more` had (1 + `times`) x N files; start-up left out): what
+    caps a build at 1/fraction workers however many cores there are."""
+    small, big = role_cpu(n), role_cpu(more)
+    marginal = {role: (big[role] - small.get(role, 0.0)) / times for role in big}
     worker = marginal.pop("batchctl-worker/main", 0.0)
     busiest = max(marginal, key=lambda role: marginal[role], default="")
     return {
@@ -231,21 +234,14 @@ def bench_images(root: Path, count: int, results: dict[str, Any]) -> None:
             target.parent.mkdir(parents=True, exist_ok=True)
             os.link(path, target)
     threads_n: Threads = {}
-    threads_2n: Threads = {}
+    threads_4n: Threads = {}
     _, peak_n, _ = run_measured(batchctl_cmd(src, root / "mem1.zarr", CORES), threads_n)
-    _, peak_4n, _ = run_measured(batchctl_cmd(big, root / "mem4.zarr", CORES))
-    twice = root / "images2x"
-    for path in big.rglob("*"):
-        if path.is_file() and path.name.split("_", 1)[0] in ("0", "1"):
-            target = twice / path.relative_to(big)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            os.link(path, target)
-    run_measured(batchctl_cmd(twice, root / "threads2.zarr", CORES), threads_2n)
+    _, peak_4n, _ = run_measured(batchctl_cmd(big, root / "mem4.zarr", CORES), threads_4n)
     results["images"] = {
         "files": count,
         "serial_rate": round(r, 1),
         "rows": rows,
-        "threads": {"workers": CORES, "files_n": count, **serial_fraction(threads_n, threads_2n)},
+        "threads": {"workers": CORES, "files_n": count, **serial_fraction(threads_n, threads_4n, 3)},
         "memory": {
             "files_n": count,
             "peak_rss_n_mib": round(peak_n / 2**20, 1),
