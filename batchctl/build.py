@@ -14,10 +14,10 @@ from typing import Any
 
 import zarr
 
-from batchctl import __version__, staging, storage
 from batchctl import format as fmt
+from batchctl import staging, storage
 from batchctl.collate import CollatorConfig, Finished, Rejected, ResumePoint
-from batchctl.discover import Discovery, WorkItem, discover
+from batchctl.discover import Discovery, discover
 from batchctl.errors import (
     BuildFailed,
     BuildInterrupted,
@@ -31,11 +31,12 @@ from batchctl.pipeline import Pipeline, PipelineConfig, PipelineError
 from batchctl.preprocess import Preprocessor, resolve
 from batchctl.processes import signals_raise, sweep_dead_builds
 from batchctl.progress import Progress
+from batchctl.records import Task, TaskResult, WorkItem, describe_error
 from batchctl.report import BuildReport, FileError
 from batchctl.shards import read_chunk
 from batchctl.staging import BuildLock, BuildPaths
 from batchctl.storage import SourceRoot
-from batchctl.workers import Task, TaskResult, describe_error
+from batchctl.version import __version__
 
 PART_BYTES = 16 * 2**20  # big files are split into parts of about this much input
 

@@ -15,12 +15,12 @@ from typing import Annotated, Any, NoReturn, Optional
 
 import typer
 
-from batchctl import __version__
 from batchctl.errors import BatchctlError, BuildFailed, BuildInterrupted, Signalled, UsageError, signalled_in
 from batchctl.processes import start_forkserver
 from batchctl.progress import ConsoleProgress
 from batchctl.report import BuildReport, count_of
 from batchctl.storage import parse_storage_options
+from batchctl.version import __version__
 
 EXIT_CODES = """Exit codes: 0 success or up to date; 1 failed build; 2 usage error;
 130 interrupted (SIGINT); 143 terminated (SIGTERM)."""

@@ -30,9 +30,9 @@ from batchctl import shards, staging
 from batchctl.mpinternals import queue_reader
 from batchctl.preprocess import Sample
 from batchctl.processes import init_child
+from batchctl.records import TaskOutput, describe_error
 from batchctl.ring import InRing, SampleRing
 from batchctl.staging import BuildPaths
-from batchctl.workers import TaskOutput, describe_error
 
 SYNC_S = 1.0  # batches are journaled (their shard files fsynced first) at most this long after being written
 # Threads that encode and write batches (zstd, blosc, crc32c and pwritev release the GIL). The

@@ -24,9 +24,10 @@ from batchctl import format as fmt
 from batchctl import storage
 from batchctl.collate import check_schema
 from batchctl.preprocess import Preprocessor, resolve
+from batchctl.records import Task, TaskResult
 from batchctl.staging import BuildPaths
 from batchctl.storage import SourceRoot
-from batchctl.workers import Task, TaskResult, preprocess_task
+from batchctl.workers import preprocess_task
 
 
 @dataclass(frozen=True)

@@ -13,16 +13,7 @@ from typing import Any
 
 from batchctl import storage
 from batchctl.errors import UsageError
-
-
-@dataclass(frozen=True)
-class WorkItem:
-    """One input file: its path relative to SOURCE (with `/`), its label and its stat stamp."""
-
-    relpath: str
-    label: int
-    size: int
-    mtime_ns: int
+from batchctl.records import WorkItem
 
 
 @dataclass

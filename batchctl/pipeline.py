@@ -36,10 +36,11 @@ from batchctl.mpinternals import name_semaphores_after, pool_workers, shut_down_
 from batchctl.preprocess import Preprocessor
 from batchctl.processes import mp_context, signals_deferred, signals_ignored, start_forkserver
 from batchctl.progress import Progress
+from batchctl.records import Done, Task, TaskResult
 from batchctl.ring import SampleRing
 from batchctl.staging import BuildPaths
 from batchctl.storage import SourceRoot
-from batchctl.workers import BoundedFeed, Done, Task, TaskResult, WorkerSlots, chunked, run_chunk, start_pool
+from batchctl.workers import BoundedFeed, WorkerSlots, chunked, run_chunk, start_pool
 
 HEALTH_CHECK_S = 1.0  # how long a blocking wait lasts before the children are checked on
 STOP_WAIT_S = 3.0  # how long a stopping collator may take to write its last batch

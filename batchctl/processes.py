@@ -26,7 +26,7 @@ import re
 import signal
 import threading
 from collections.abc import Iterator
-from multiprocessing import forkserver
+from multiprocessing import forkserver, resource_tracker
 from multiprocessing.context import ForkServerContext
 from pathlib import Path
 
@@ -58,6 +58,9 @@ def start_forkserver() -> None:
     thread: the server inherits the mask and sets up its own dispositions before unblocking
     (`become_forkserver`), and a signal for this process meanwhile waits instead of being lost."""
     mp_context()
+    # The resource tracker first: starting it unblocks SIGINT/SIGTERM in this thread when done
+    # (its own block and unblock), which would leave the fork server started unprotected.
+    resource_tracker.ensure_running()
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         forkserver.ensure_running()

@@ -23,14 +23,12 @@ import mmap
 import os
 from dataclasses import dataclass
 from multiprocessing.context import BaseContext
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from batchctl.mpinternals import dup_fd_for_child
-
-if TYPE_CHECKING:
-    from batchctl.workers import Task, TaskOutput
+from batchctl.records import Task, TaskOutput
 
 SLOT_BYTES = 32 * 2**20  # one chunk's output; only the pages a chunk fills are ever touched
 ALIGN = 64
@@ -110,8 +108,6 @@ class SampleRing:
 
     def outputs(self, message: InRing) -> list[TaskOutput]:
         """The outputs of a message, their columns viewing the slot (valid until `release`)."""
-        from batchctl.workers import TaskOutput
-
         return [
             TaskOutput(parts, {ref.name: self._view(message.slot, ref) for ref in refs})
             for parts, refs in message.outputs

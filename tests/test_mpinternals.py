@@ -14,11 +14,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from batchctl.discover import WorkItem
 from batchctl.mpinternals import name_semaphores_after, pool_workers, shut_down_pool
 from batchctl.processes import mp_context, sweep_dead_builds
+from batchctl.records import Task, TaskOutput, WorkItem
 from batchctl.ring import SampleRing
-from batchctl.workers import Task, TaskOutput
 
 SHM = Path("/dev/shm")
 

@@ -12,10 +12,10 @@ import zarr
 
 import batchctl
 from batchctl import format as fmt
-from batchctl.discover import WorkItem
 from batchctl.processes import mp_context
+from batchctl.records import Task, TaskOutput, WorkItem
 from batchctl.ring import SampleRing
-from batchctl.workers import Task, TaskOutput, WorkerSlots
+from batchctl.workers import WorkerSlots
 
 
 def output(rows: int, seed: int, name: str = "x") -> TaskOutput:

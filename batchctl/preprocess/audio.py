@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from batchctl.preprocess import Preprocessor
+from batchctl.preprocess.base import Preprocessor
 
 EXTENSIONS = (".wav", ".flac", ".ogg")
 

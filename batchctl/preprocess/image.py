@@ -18,7 +18,7 @@ import numpy as np
 from PIL import Image, ImageOps
 
 from batchctl.errors import UsageError
-from batchctl.preprocess import Preprocessor
+from batchctl.preprocess.base import Preprocessor
 
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 DRAFT_MARGIN = 2

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from batchctl.preprocess import Block, Preprocessor
+from batchctl.preprocess.base import Block, Preprocessor
 
 MMAP_BYTES = 4 * 2**20
 

@@ -1,0 +1,133 @@
+"""What a preprocessor is: a function from one file to samples, its options and the files it
+takes. The built-ins (image, audio, npy) and a user's plugins are all `Preprocessor`s."""
+
+from __future__ import annotations
+
+import fnmatch
+import inspect
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from batchctl.errors import UsageError
+
+Sample = dict[str, np.ndarray]
+
+
+class Block(dict[str, Any]):
+    """Many samples at once: field name -> array whose rows (axis 0) are the samples. A
+    preprocessor may return one instead of yielding samples, to skip the per-sample overhead."""
+
+
+PreprocessFn = Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class Preprocessor:
+    """A named preprocessing function, the files it takes and its default options."""
+
+    name: str
+    fn: PreprocessFn
+    extensions: tuple[str, ...] | None = None
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    # For preprocessors that yield many samples per file: `count(path, **options)` says how many
+    # (cheaply, from the header), and `fn` then takes `part=(start, stop)` to yield just those,
+    # so a big file is split into parts that several workers take.
+    count: Callable[..., int | None] | None = None
+    include: tuple[str, ...] = ()  # globs (--include, or a plugin's own `takes`): replace the extension filter
+    check: Callable[[Mapping[str, Any]], None] | None = None  # raises UsageError for bad options
+
+    def accepts(self, relpath: str) -> bool:
+        if self.include:
+            name = relpath.rsplit("/", 1)[-1]
+            return any(fnmatch.fnmatchcase(relpath, g) or fnmatch.fnmatchcase(name, g) for g in self.include)
+        if self.extensions is None:
+            return True
+        return relpath.lower().endswith(self.extensions)
+
+    def options(self, given: Mapping[str, Any]) -> dict[str, Any]:
+        """Defaults overlaid with the given options, refusing names the preprocessor lacks and
+        (for a plugin) checking them against its signature: before any work, not once per file."""
+        accepted, required = self._parameters()
+        unknown = sorted(set(given) - accepted) if accepted is not None else []
+        if unknown:
+            takes = f"takes options {', '.join(sorted(accepted or ()))}" if accepted else "takes no options"
+            raise UsageError(f"Preprocessor {self.name!r} {takes}; got {', '.join(unknown)} instead.")
+        missing = sorted(required - set(given))
+        if missing:
+            raise UsageError(f"Preprocessor {self.name!r} needs --option {'=..., --option '.join(missing)}=...")
+        merged = {**self.defaults, **given}
+        if self.check is not None:
+            self.check(merged)
+        return merged
+
+    def _parameters(self) -> tuple[set[str] | None, set[str]]:
+        """The option names the function takes (None: any, it has **kwargs) and those it needs."""
+        if self.defaults:
+            return set(self.defaults), set()
+        try:
+            params = list(inspect.signature(self.fn).parameters.values())[1:]  # after the path
+        except (TypeError, ValueError):  # no signature to read (some builtins): let it be
+            return None, set()
+        if any(p.kind is p.VAR_KEYWORD for p in params):
+            return None, set()
+        named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "part"]
+        return {p.name for p in named}, {p.name for p in named if p.default is p.empty}
+
+    def columns(
+        self, path: Path, options: Mapping[str, Any], part: tuple[int, int] | None = None
+    ) -> dict[str, np.ndarray]:
+        """Run the function; its samples stacked field by field (row i of each column is sample i)."""
+        result = self.fn(path, **options) if part is None else self.fn(path, **options, part=part)
+        if isinstance(result, Block):
+            columns = {str(k): native(np.asarray(v)) for k, v in result.items()}
+            if not columns or len({len(v) for v in columns.values()}) != 1:
+                raise ValueError("a Block needs fields with the same number of rows")
+            return columns
+        samples = list(self._normalise(result))
+        if not samples:
+            raise ValueError("the preprocessor produced no samples")
+        return stack_samples(samples)
+
+    def _normalise(self, result: Any) -> Iterator[Sample]:
+        stream = [result] if isinstance(result, Mapping) else result
+        for raw in stream:
+            if not isinstance(raw, Mapping) or not raw:
+                raise TypeError(f"preprocessor {self.name} returned {type(raw).__name__}, expected a dict of arrays")
+            yield {str(k): native(np.asarray(v)) for k, v in raw.items()}
+
+
+def native(array: np.ndarray) -> np.ndarray:
+    """The array in this machine's byte order: a big-endian field from some decoder is the same
+    field as a little-endian one, and is stored little-endian (docs/format.md)."""
+    if array.dtype.isnative:
+        return array
+    return array.astype(array.dtype.newbyteorder("="))
+
+
+def stack_samples(samples: list[Sample]) -> dict[str, np.ndarray]:
+    """Samples -> one column per field; a file whose samples disagree in shape is refused."""
+    if len(samples) == 1:  # most files: a view with a leading axis, no copy (np.stack costs ~5 us)
+        return {name: value[np.newaxis] for name, value in samples[0].items()}
+    first = {name: (value.shape, value.dtype) for name, value in samples[0].items()}
+    for number, sample in enumerate(samples[1:], start=1):
+        if sample.keys() != first.keys() or any((v.shape, v.dtype) != first[k] for k, v in sample.items()):
+            raise ValueError(f"sample {number} of this file does not match its first sample's fields and shapes")
+    return {name: np.stack([sample[name] for sample in samples]) for name in first}
+
+
+FILES_ATTRIBUTE = "batchctl_files"
+
+
+def takes(*globs: str) -> Callable[[PreprocessFn], PreprocessFn]:
+    """Declare the files a plugin preprocesses, as globs matched against the file name or the
+    relative path (`@takes("*.wav", "*.flac")`); other files are ignored. `--include` overrides it."""
+
+    def declare(fn: PreprocessFn) -> PreprocessFn:
+        setattr(fn, FILES_ATTRIBUTE, tuple(globs))
+        return fn
+
+    return declare
