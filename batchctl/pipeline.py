@@ -5,7 +5,8 @@ completion order, and watches over the children: a plain Pool waits forever for 
 worker the kernel killed, so the parent notices the death, records that file as an error and
 goes on (the pool has already replaced the worker); a worker past --timeout is killed the same
 way; a dead collator fails the build cleanly.
-On SIGINT/SIGTERM, or any failure, `_abort` terminates every child and drops queued data.
+On SIGINT/SIGTERM, or any failure, `_abort` kills the workers (what they were on is done again
+by the next run), has the collator write and journal every sample it received, and drops the rest.
 """
 
 from __future__ import annotations

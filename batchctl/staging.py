@@ -158,19 +158,21 @@ class BuildLock:
 
 
 def check_workdir(paths: BuildPaths) -> None:
-    """Refuse a local work folder that is not a private folder of this user's: its journal and
-    state decide what a build trusts and deletes, and OUTPUT may sit in a shared folder."""
+    """Refuse a local work folder that is not this user's, or that others could write into: its
+    journal and state decide what a build trusts and deletes, and OUTPUT may sit in a shared folder."""
     if paths.remote:
         return
     try:
         st = os.lstat(paths.workdir)
     except FileNotFoundError:
         return
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
         raise UsageError(
             f"{paths.workdir} is not a private folder of yours (a build creates it with mode 0700); "
             "batchctl will not trust or delete it: remove it yourself."
         )
+    if st.st_mode & 0o077:  # ours, and nobody else could write into it (an older batchctl's): make it private
+        os.chmod(paths.workdir, 0o700)
 
 
 def check_replaceable(paths: BuildPaths) -> None:
