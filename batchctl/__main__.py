@@ -3,18 +3,14 @@
 import signal
 import sys
 
-from batchctl.errors import Signalled, signalled_in
-
-
-def _raise_signalled(signum: int, frame: object) -> None:
-    raise Signalled(signum)
+from batchctl.errors import Signalled, raise_signalled, signalled_in
 
 
 def main() -> None:
     # First of all, so that a SIGINT or SIGTERM at any moment ends the command through one path
     # (exit 130/143, no traceback); the build turns it into an orderly stop of its processes.
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, _raise_signalled)
+        signal.signal(sig, raise_signalled)
     try:
         from batchctl.cli import run
     except (Signalled, Exception) as exc:  # a signal while still importing (perhaps wrapped)

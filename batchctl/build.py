@@ -25,6 +25,8 @@ from batchctl.errors import (
     ResumeMismatchError,
     Signalled,
     UsageError,
+    check_signalled,
+    signal_handled,
     signalled_in,
 )
 from batchctl.pipeline import Pipeline, PipelineConfig, PipelineError
@@ -145,6 +147,7 @@ class _Builder:
             except (Signalled, Exception) as exc:
                 signalled = signalled_in(exc)
                 if signalled is not None:
+                    signal_handled()
                     self._end("interrupted", "interrupted; rerun the same command to resume")
                     raise BuildInterrupted(signalled.signum, self.report) from None
                 if isinstance(exc, (PipelineError, OSError)):
@@ -156,6 +159,7 @@ class _Builder:
                 raise
 
     def _run_locked(self) -> BuildReport:
+        check_signalled()  # checkpoints: a signal whose raise library code swallowed is acted on here
         sweep_dead_builds()  # what builds killed with their whole process group left in /dev/shm
         staging.check_workdir(self.paths)
         discovery = discover(
@@ -174,6 +178,7 @@ class _Builder:
         if self.options.engine == "dask":
             return self._run_dask(discovery, fingerprint)
         tasks = self._plan(discovery)
+        check_signalled()
         for relpath, reason in discovery.unreadable:
             self._error(relpath, reason)
         split = any(task.part for task in tasks)
@@ -218,6 +223,7 @@ class _Builder:
         return self._complete(discovery, fingerprint, finished)
 
     def _complete(self, discovery: Discovery, fingerprint: str, finished: Finished) -> BuildReport:
+        check_signalled()
         retry = {error.source for error in self.report.errors if error.retry}
         if retry:  # files lost with their worker: the next run must not find this dataset up to date
             fingerprint = discovery.fingerprint([self.spec, discovery.classes], leave_out=retry)

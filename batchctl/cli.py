@@ -15,7 +15,16 @@ from typing import Annotated, Any, NoReturn, Optional
 
 import typer
 
-from batchctl.errors import BatchctlError, BuildFailed, BuildInterrupted, Signalled, UsageError, signalled_in
+from batchctl.errors import (
+    BatchctlError,
+    BuildFailed,
+    BuildInterrupted,
+    Signalled,
+    UsageError,
+    check_signalled,
+    signal_handled,
+    signalled_in,
+)
 from batchctl.processes import start_forkserver
 from batchctl.progress import ConsoleProgress
 from batchctl.report import BuildReport, count_of
@@ -185,8 +194,10 @@ def build(
             start_forkserver()  # now, so its imports run alongside ours (zarr, the build)
         from batchctl.build import build as run_build
 
+        check_signalled()  # one that came during those imports, should a library have swallowed it
         result = run_build(source, output, progress=progress, **options)
     except BuildInterrupted as exc:
+        signal_handled()
         _finish(exc.report, report, quiet)
         typer.echo("batchctl: interrupted; rerun the same command to resume.", err=True)
         raise typer.Exit(128 + exc.signum) from None
@@ -343,6 +354,7 @@ def run() -> None:
         signalled = signalled_in(exc)
         if signalled is None:
             raise
+        signal_handled()
         typer.echo("batchctl: interrupted.", err=True)
         code = 128 + signalled.signum
     finally:  # the command is over: a signal from now on must not raise inside interpreter exit

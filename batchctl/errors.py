@@ -16,6 +16,33 @@ class Signalled(BaseException):
         self.signum = signum
 
 
+_received: list[int] = []  # stop signals received and not yet acted on
+
+
+def raise_signalled(signum: int, frame: object = None) -> None:
+    """The SIGINT/SIGTERM handler: note the signal, then raise it. The note outlives the raise,
+    which library code can swallow (a `Signalled` wrapped by Python, then caught as an
+    Exception): `check_signalled` at the next checkpoint raises it again."""
+    _received.append(signum)
+    raise Signalled(signum)
+
+
+def note_signal(signum: int) -> None:
+    """A signal held back for now (`signals_deferred`): acted on at the next checkpoint."""
+    _received.append(signum)
+
+
+def check_signalled() -> None:
+    """A checkpoint: raise the first stop signal received and not yet acted on."""
+    if _received:
+        raise Signalled(_received[0])
+
+
+def signal_handled() -> None:
+    """The stop signals received so far have ended what they were meant to end."""
+    _received.clear()
+
+
 def signalled_in(exc: BaseException) -> Signalled | None:
     """The `Signalled` an exception is, or was raised from: Python wraps an exception raised in
     some places (3.11: a RuntimeError for one raised during a class's `__set_name__`, which a

@@ -33,6 +33,7 @@ from batchctl.collate import (
     Stopped,
     run_collator,
 )
+from batchctl.errors import check_signalled
 from batchctl.mpinternals import name_semaphores_after, pool_workers, shut_down_pool
 from batchctl.preprocess import Preprocessor
 from batchctl.processes import mp_context, signals_deferred, signals_ignored, start_forkserver
@@ -163,6 +164,7 @@ class Pipeline:
     def _next_results(self, results: Any) -> list[Done] | None:
         """The results of the next chunk, or None after a lost task was accounted for instead."""
         while True:
+            check_signalled()
             if time.monotonic() - self.last_check >= HEALTH_CHECK_S and self._check_children():
                 return None
             try:
@@ -231,6 +233,7 @@ class Pipeline:
 
     def _wait_finished(self) -> Finished:
         while True:
+            check_signalled()
             finished = self._drain_events(block=True)
             if finished is None and not self.collator.is_alive():
                 finished = self._drain_events(block=True)  # what it sent just before exiting

@@ -30,7 +30,7 @@ from multiprocessing import forkserver, resource_tracker
 from multiprocessing.context import ForkServerContext
 from pathlib import Path
 
-from batchctl.errors import Signalled
+from batchctl.errors import Signalled, note_signal, raise_signalled
 
 # batchctl.forkserver_init first: it sets up the fork server before the heavy imports.
 PRELOAD = ["batchctl.forkserver_init", "batchctl.workers", "batchctl.collate", "numpy", "PIL.Image"]
@@ -128,10 +128,6 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def raise_signalled(signum: int, frame: object) -> None:
-    raise Signalled(signum)
-
-
 @contextlib.contextmanager
 def signals_raise() -> Iterator[None]:
     """Turn SIGINT and SIGTERM into `Signalled` for the duration (main thread only)."""
@@ -157,6 +153,7 @@ def signals_deferred() -> Iterator[None]:
 
     def hold(signum: int, frame: object) -> None:
         caught.append(signum)
+        note_signal(signum)
 
     previous = {sig: signal.signal(sig, hold) for sig in STOP_SIGNALS}
     try:
