@@ -25,10 +25,11 @@ import os
 import re
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from multiprocessing import forkserver, resource_tracker
 from multiprocessing.context import ForkServerContext
 from pathlib import Path
+from typing import Any
 
 from batchctl.errors import Signalled, note_signal, raise_signalled
 
@@ -109,7 +110,7 @@ def sweep_dead_builds() -> list[str]:
     with contextlib.suppress(OSError):
         for entry in os.scandir(SHM_DIR):
             match = DEAD_BUILD_NAME.match(entry.name)
-            if match is None or _alive(int(match.group(1))):
+            if match is None or alive(int(match.group(1))):
                 continue
             with contextlib.suppress(OSError):
                 if entry.stat(follow_symlinks=False).st_uid == os.getuid():
@@ -118,7 +119,8 @@ def sweep_dead_builds() -> list[str]:
     return removed
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process `pid` exists (another user's counts too)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -129,12 +131,13 @@ def _alive(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def signals_raise() -> Iterator[None]:
-    """Turn SIGINT and SIGTERM into `Signalled` for the duration (main thread only)."""
-    if threading.current_thread() is not threading.main_thread():  # build() called from a thread
+def _stop_signals_handled_by(handler: Callable[[int, Any], None]) -> Iterator[None]:
+    """SIGINT and SIGTERM go to `handler` for the duration, then back to what they were. Only
+    the main thread may set handlers: elsewhere (build() called from a thread) nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {sig: signal.signal(sig, raise_signalled) for sig in STOP_SIGNALS}
+    previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
     try:
         yield
     finally:
@@ -142,42 +145,31 @@ def signals_raise() -> Iterator[None]:
             signal.signal(sig, old)
 
 
+def signals_raise() -> contextlib.AbstractContextManager[None]:
+    """Turn SIGINT and SIGTERM into `Signalled` for the duration."""
+    return _stop_signals_handled_by(raise_signalled)
+
+
 @contextlib.contextmanager
 def signals_deferred() -> Iterator[None]:
     """SIGINT and SIGTERM held back until the block ends, then raised as `Signalled`: a child
-    being started must be known to the abort before the parent unwinds (main thread only)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+    being started must be known to the abort before the parent unwinds."""
     caught: list[int] = []
 
     def hold(signum: int, frame: object) -> None:
         caught.append(signum)
         note_signal(signum)
 
-    previous = {sig: signal.signal(sig, hold) for sig in STOP_SIGNALS}
-    try:
+    with _stop_signals_handled_by(hold):
         yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
     if caught:
         raise Signalled(caught[0])
 
 
-@contextlib.contextmanager
-def signals_ignored() -> Iterator[None]:
+def signals_ignored() -> contextlib.AbstractContextManager[None]:
     """SIGINT and SIGTERM dropped for the duration: an abort under way, or a publish that must not
-    stop half-way (main thread only)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {sig: signal.signal(sig, _ignore) for sig in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
+    stop half-way."""
+    return _stop_signals_handled_by(_ignore)
 
 
 def _ignore(signum: int, frame: object) -> None:

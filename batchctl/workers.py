@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from batchctl.preprocess import Preprocessor, resolve
-from batchctl.processes import init_child
+from batchctl.processes import alive, init_child
 from batchctl.records import Done, Task, TaskOutput, TaskResult, describe_error
 from batchctl.ring import SampleRing
 from batchctl.storage import SourceRoot
@@ -80,7 +80,7 @@ class WorkerSlots:
     def vanished(self) -> list[int]:
         """Pids of slot holders that no longer exist (killed, and reaped by the pool)."""
         pids = [self._row(slot)[0] for slot in range(self.count)]
-        return [pid for pid in pids if pid and not _alive(pid)]
+        return [pid for pid in pids if pid and not alive(pid)]
 
     def release(self, pid: int) -> int:
         """Free the slot of a dead worker and retire its ring slot (it may have died holding it);
@@ -92,16 +92,6 @@ class WorkerSlots:
                     self.table[slot * self.FIELDS : (slot + 1) * self.FIELDS] = [0, -1, 0, 1]
                     return int(index)
         return -1
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _now_ms() -> int:
