@@ -208,7 +208,8 @@ def create_arrays(
     source_bytes: int,
     rows: Mapping[str, np.ndarray] | None = None,
 ) -> dict[str, zarr.Array]:
-    """Create every array empty (shape 0); rows are added shard by shard with `write_shard`.
+    """Create every array empty (shape 0): the collator appends batches to shards
+    (`batchctl.shards`) and sets the length last; the Dask engine sizes them first (`write_shard_at`).
     `source_bytes` is the `source` array's width; `rows`, the first rows of each field, are what
     `auto` compression measures. Only core Zarr v3 data types, so that every array opens in
     tensorstore, Rust zarrs and anything else that reads Zarr v3."""
@@ -271,24 +272,6 @@ def open_dataset_arrays(group: zarr.Group, attrs: DatasetAttrs, where: str) -> d
 
 def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-
-
-def write_shard(
-    arrays: Mapping[str, zarr.Array], layout: Layout, shard_index: int, columns: Mapping[str, np.ndarray]
-) -> None:
-    """Write shard `shard_index` of every array in one aligned, whole-shard write each.
-
-    `columns` holds up to `shard_rows` rows per array; fewer only for the final shard, after
-    which the arrays end exactly at the last row.
-    """
-    start = shard_index * layout.shard_rows
-    rows = len(next(iter(columns.values())))
-    for name, arr in arrays.items():
-        data = stored_column(arr, name, columns[name])
-        if len(data) != rows:
-            raise FormatError(f"shard {shard_index}: column {name} has {len(data)} rows, expected {rows}")
-        arr.resize((start + rows, *arr.shape[1:]))
-        _write_whole_shard(arr, layout, shard_index, data)
 
 
 def stored_column(arr: zarr.Array, name: str, column: Any) -> np.ndarray:
