@@ -263,14 +263,18 @@ class Pipeline:
         with contextlib.suppress(OSError):
             self.control_end.send(Stop())
         deadline = time.monotonic() + STOP_WAIT_S
-        with contextlib.suppress(PipelineError, OSError, ValueError):
-            while self.collator.is_alive() and time.monotonic() < deadline:
-                if isinstance(self._drain_events(block=True), Stopped):
-                    break
-        self.collator.join(max(0.0, deadline - time.monotonic()))
-        if self.collator.is_alive():
-            self.collator.kill()
-            self.collator.join(5)
+        try:
+            # its last events may fail the build too (--max-errors): the first failure is the one
+            # raised, and the abort goes on regardless
+            with contextlib.suppress(Exception):
+                while self.collator.is_alive() and time.monotonic() < deadline:
+                    if isinstance(self._drain_events(block=True), Stopped):
+                        break
+        finally:
+            self.collator.join(max(0.0, deadline - time.monotonic()))
+            if self.collator.is_alive():
+                self.collator.kill()
+                self.collator.join(5)
 
     def _remember_workers(self) -> None:
         """Keep the pool's worker processes, whose exit codes say how a vanished worker died."""
