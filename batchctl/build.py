@@ -320,9 +320,9 @@ class _Builder:
             batches, partial = batches[:cut], None
         if partial is not None and not self._decodes(arrays, partial):
             partial = None
-        last_shard = max([b["shard"] for b in batches + ([partial] if partial else [])], default=-1)
-        fmt.remove_shards_from(arrays, fs, root, last_shard + 1)
-        return staging.Journaled(batches, partial, done)
+        journaled = staging.Journaled(batches, partial, done)
+        fmt.remove_shards_from(arrays, fs, root, max((b["shard"] for b in journaled.kept), default=-1) + 1)
+        return journaled
 
     def _decodes(self, arrays: Mapping[str, zarr.Array], partial: dict[str, Any]) -> bool:
         """The half-filled batch reads back whole from its shard files (local OUTPUT only)."""

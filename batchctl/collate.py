@@ -351,8 +351,7 @@ class Collator:
         self._settle()
         for shard in self.open.values():
             shard.sync()
-        staging.append_journal(self.config.paths, self.unjournaled)
-        self.unjournaled = []
+        self._journal()
 
     def _close_shards(self) -> None:
         self._settle()
@@ -360,6 +359,10 @@ class Collator:
             open_shard.finish(self._shard_batches())
         self.open = {}
         self.unjournaled.append({"shard_done": self.open_index})
+        self._journal()
+
+    def _journal(self) -> None:
+        """Append the lines of what is now durable to the journal."""
         staging.append_journal(self.config.paths, self.unjournaled)
         self.unjournaled = []
         self.last_sync = time.monotonic()

@@ -288,10 +288,14 @@ class Journaled:
         return out + ([self.partial] if self.partial else [])
 
     @property
+    def kept(self) -> list[dict[str, Any]]:
+        """Every kept batch, the half-filled one last."""
+        return self.batches + ([self.partial] if self.partial else [])
+
+    @property
     def entries(self) -> list[list[Any]]:
         """The file entries of every kept row, the half-filled batch's included."""
-        batches = self.batches + ([self.partial] if self.partial else [])
-        return [entry for batch in batches for entry in batch["files"]]
+        return [entry for batch in self.kept for entry in batch["files"]]
 
 
 def _last_of_shard(batch: dict[str, Any], batches: list[dict[str, Any]]) -> bool:
