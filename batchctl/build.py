@@ -6,7 +6,9 @@ import dataclasses
 import datetime as dt
 import math
 import os
+import shutil
 import time
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,9 +17,9 @@ from typing import Any
 import zarr
 
 from batchctl import format as fmt
-from batchctl import staging, storage
-from batchctl.collate import CollatorConfig, Finished, Rejected, ResumePoint
-from batchctl.discover import Discovery, discover
+from batchctl import incremental, staging, storage
+from batchctl.collate import Carry, CollatorConfig, Finished, Rejected, ResumePoint
+from batchctl.discover import Discovery, discover, hash_files
 from batchctl.errors import (
     BuildFailed,
     BuildInterrupted,
@@ -34,7 +36,7 @@ from batchctl.preprocess import Preprocessor, resolve
 from batchctl.processes import signals_raise, sweep_dead_builds
 from batchctl.progress import Progress
 from batchctl.records import Task, TaskResult, WorkItem, describe_error
-from batchctl.report import BuildReport, FileError
+from batchctl.report import BuildReport, Changes, FileError
 from batchctl.shards import read_chunk
 from batchctl.staging import BuildLock, BuildPaths
 from batchctl.storage import SourceRoot
@@ -61,6 +63,7 @@ class BuildOptions:
     max_errors: int | None = None
     resume: bool = True
     force: bool = False
+    checksum: bool = False  # files are unchanged when their contents hash the same (else: size and mtime)
     timeout: float | None = None
     include: tuple[str, ...] = ()
     storage_options: Mapping[str, Any] = field(default_factory=dict)  # for a URL OUTPUT (fsspec)
@@ -134,6 +137,9 @@ class _Builder:
         self.new_samples = 0
         self.resumed_batches = 0  # batches kept from an interrupted run
         self.resume_point = ResumePoint([], None, 0)
+        self.build_id = uuid.uuid4().hex
+        self.digests: dict[str, str] = {}  # --checksum: each input's content hash
+        self.carry: Carry | None = None  # an incremental build's rows carried over from the last one
 
     def run(self) -> BuildReport:
         if storage.is_url(self.output):
@@ -166,7 +172,9 @@ class _Builder:
             self.source, self.preprocessor.accepts, self.options.seed, self.options.storage_options, self.output
         )
         self.report.ignored = discovery.ignored
-        fingerprint = discovery.fingerprint([self.spec, discovery.classes])
+        if self.options.checksum:
+            self.digests = hash_files(self.source, discovery.items, self.options.storage_options, self.options.workers)
+        fingerprint = discovery.fingerprint([self.spec, discovery.classes], digests=self.digests)
         if not self.options.force and self._up_to_date(fingerprint):
             return self._end("up_to_date")
         if not discovery.items:
@@ -198,6 +206,7 @@ class _Builder:
                 labelled=discovery.classes is not None,
                 source_bytes=fmt.source_width(item.relpath for item in discovery.items),
                 resume=self.resume_point,
+                carry=self.carry,
             ),
         )
         finished = Pipeline(config, self.progress, self._on_result, self._on_rejected).run(tasks)
@@ -226,8 +235,11 @@ class _Builder:
         check_signalled()
         retry = {error.source for error in self.report.errors if error.retry}
         if retry:  # files lost with their worker: the next run must not find this dataset up to date
-            fingerprint = discovery.fingerprint([self.spec, discovery.classes], leave_out=retry)
+            fingerprint = discovery.fingerprint([self.spec, discovery.classes], leave_out=retry, digests=self.digests)
+        record = self._record(discovery, finished) if self.options.engine == "local" else None
         self._publish(discovery, fingerprint, finished)
+        if record is not None:
+            incremental.write_record(self.output, record, self.options.storage_options)
         self.report.samples = finished.samples
         self.report.batches = fmt.num_batches(finished.samples, self.options.batch_size)
         self.report.shards = finished.shards
@@ -250,7 +262,8 @@ class _Builder:
         return True
 
     def _plan(self, discovery: Discovery) -> list[Task]:
-        """Resume an interrupted build of the same options, or start a fresh staging dataset."""
+        """Resume an interrupted build of the same options, else build on the last complete build
+        (incrementally), else start a fresh staging dataset."""
         state = staging.read_state(self.paths)
         if state is not None and self.options.resume:
             if state.get("spec") != self.spec or state.get("source") != str(self.source):
@@ -258,11 +271,90 @@ class _Builder:
             tasks = self._resume(discovery, state)
             if tasks is not None:
                 return tasks
+        found = self._incremental_plan(discovery)
         staging.start_workdir(self.paths)
+        if found is not None:
+            state = self._seed(discovery, *found)
+            tasks = self._resume(discovery, state)
+            if tasks is not None:
+                return tasks
+            staging.start_workdir(self.paths)
         group = zarr.open_group(self.paths.staging_url, mode="w", **self.paths.zarr_kwargs())
         fmt.write_attrs(group, self._attrs(discovery))
-        staging.write_state(self.paths, {"spec": self.spec, "source": str(self.source), "classes": discovery.classes})
+        staging.write_state(self.paths, self._state(discovery))
         return self._tasks(discovery, {})
+
+    def _state(self, discovery: Discovery, **more: Any) -> dict[str, Any]:
+        return {"spec": self.spec, "source": str(self.source), "classes": discovery.classes, **more}
+
+    def _incremental_plan(self, discovery: Discovery) -> tuple[incremental.Plan, incremental.Record] | None:
+        """How to build on the complete dataset at OUTPUT, or None (and why, in one line) when
+        everything must be built."""
+        try:
+            _, attrs = fmt.open_group(self.output, storage_options=self.options.storage_options)
+        except Exception:  # noqa: BLE001 - nothing there (or nothing usable): a first build
+            if storage.is_url(self.output) or self.paths.output.exists():
+                self.progress.info("building everything: OUTPUT holds no complete dataset of this batchctl")
+            return None
+        if self.options.force:
+            self.progress.info("building everything (--force)")
+            return None
+        record = incremental.read_record(self.output, self.options.storage_options)
+        if record is None or not attrs.build_id or record.build_id != attrs.build_id:
+            self.progress.info("building everything: no record of which file each row of OUTPUT came from")
+            return None
+        why = _differences({**record.spec, "source": record.source}, {**self.spec, "source": str(self.source)})
+        if record.classes != discovery.classes:
+            why.append("the class folders changed")
+        plan = incremental.plan(record, discovery.items, self.digests, self.options.checksum)
+        longest = max((len(path.encode()) for path in plan.preprocess), default=0)
+        if longest > record.source_width:
+            why.append(f"a new path of {longest} bytes is longer than the source column's {record.source_width}")
+        if why:
+            self.progress.info("building everything: " + "; ".join(why))
+            return None
+        return plan, record
+
+    def _seed(self, discovery: Discovery, plan: incremental.Plan, record: incremental.Record) -> dict[str, Any]:
+        """Make the staging dataset an incremental build starts from: the previous dataset's
+        arrays (empty), its kept shards renumbered 0..K-1 and journaled as finished. Returns the
+        state, written last: a seeding cut short is simply done again (or, on an object store,
+        where it moves shards in place, the next run builds everything)."""
+        fs, root = storage.locate(self.output, self.options.storage_options)
+        carry_from = self.output
+        if self.paths.remote:
+            group = zarr.open_group(self.paths.staging_url, mode="r+", **self.paths.zarr_kwargs())
+            fmt.write_attrs(group, self._attrs(discovery))  # no longer complete: its shards move now
+            incremental.remove_record(self.output, self.options.storage_options)
+            carry_from = f"{self.paths.workdir_url}/previous.zarr"
+            _copy_dataset_shards(fs, root, storage.fs_path(carry_from), group, sorted({r.shard for r in plan.carry}))
+            for new, old in enumerate(plan.kept_shards):
+                if new != old:
+                    _copy_shard(fs, fmt.open_arrays(group), f"{root}/", old, f"{root}/", new)
+            arrays = fmt.open_arrays(group)
+            fmt.remove_shards_from(arrays, fs, root, len(plan.kept_shards))
+        else:
+            staging_root = str(self.paths.staging)
+            _copy_dataset_shards(fs, root, staging_root, None, [])
+            group = zarr.open_group(staging_root, mode="r+")
+            arrays = fmt.open_arrays(group)
+            for new, old in enumerate(plan.kept_shards):
+                for arr in arrays.values():
+                    _link(Path(root) / fmt.shard_key(arr, old), Path(staging_root) / fmt.shard_key(arr, new))
+            fmt.write_attrs(group, self._attrs(discovery))
+        lines: list[dict[str, Any]] = []
+        for batch in plan.kept_batches:
+            lines.append({**batch, "chunks": {}})
+            if int(batch["batch"]) % record.shard_batches == record.shard_batches - 1:
+                lines.append({"shard_done": batch["shard"]})
+        if lines:
+            staging.append_journal(self.paths, lines)
+        state = self._state(
+            discovery,
+            incremental={"build_id": record.build_id, "carry_from": carry_from, "kept_samples": plan.kept_samples},
+        )
+        staging.write_state(self.paths, state)
+        return state
 
     def _resume(self, discovery: Discovery, state: Mapping[str, Any]) -> list[Task] | None:
         """Tasks still to do after an interrupted run, or None when it cannot be trusted."""
@@ -281,14 +373,41 @@ class _Builder:
             if item is None or (item.size, item.mtime_ns) != (size, mtime_ns):
                 self.progress.info(f"{relpath} changed or vanished since the interrupted build; starting over")
                 return None
+        only = None
+        seeded = state.get("incremental")
+        if seeded is not None:
+            plan = self._carry_plan(discovery, seeded, written)
+            if plan is None:
+                return None
+            only = plan.preprocess
         staging.rewrite_journal(self.paths, kept.lines())
         self.resume_point = ResumePoint(kept.batches, kept.partial, kept.done_shards)
         self.report.resumed_shards = kept.done_shards
-        self.report.resumed_samples = sum(int(entry[1]) for entry in kept.entries)
+        kept_samples = sum(int(entry[1]) for entry in kept.entries)
+        self.report.resumed_samples = kept_samples - (seeded or {}).get("kept_samples", 0)
         self.resumed_batches = len(kept.batches)
         if self.report.resumed_samples:
             self.progress.info(f"resuming: {self.report.resumed_samples} samples kept from the interrupted build")
-        return self._tasks(discovery, written)
+        return self._tasks(discovery, written, only)
+
+    def _carry_plan(
+        self, discovery: Discovery, seeded: Mapping[str, Any], written: Mapping[tuple[str, int], list[Any]]
+    ) -> incremental.Plan | None:
+        """An incremental build's plan, and what of its carry is still to do."""
+        record = incremental.read_record(self.output, self.options.storage_options)
+        if record is None or record.build_id != seeded.get("build_id"):
+            self.progress.info("the record of the last build is gone; starting over")
+            return None
+        plan = incremental.plan(record, discovery.items, self.digests, self.options.checksum)
+        done = {key: (int(entry[0]), bool(entry[1])) for key, entry in written.items()}
+        runs = incremental.remaining_carry(plan.carry, done)
+        self.carry = Carry(str(seeded["carry_from"]), dict(self.options.storage_options), record.shard_rows, runs)
+        self.report.changes = Changes.of(plan.changes)
+        self.report.kept_samples = int(seeded.get("kept_samples", 0)) + sum(run.rows for run in plan.carry)
+        for relpath, (_, _, reason, retry) in plan.skipped.items():
+            self.report.errors.append(FileError(relpath, str(reason), bool(retry)))
+        self.progress.info(plan.changes.line())
+        return plan
 
     def _journaled(self) -> staging.Journaled:
         """What the interrupted build journaled and is really there: batches whose chunks lie
@@ -337,11 +456,15 @@ class _Builder:
             return False
         return True
 
-    def _tasks(self, discovery: Discovery, written: Mapping[tuple[str, int], list[Any]]) -> list[Task]:
-        """One task per file, or per part of a big file; what an interrupted run finished is left
-        out and what it wrote of a part is skipped."""
+    def _tasks(
+        self, discovery: Discovery, written: Mapping[tuple[str, int], list[Any]], only: set[str] | None = None
+    ) -> list[Task]:
+        """One task per file (of `only`, when given), or per part of a big file; what an
+        interrupted run finished is left out and what it wrote of a part is skipped."""
         tasks: list[Task] = []
         for item in discovery.items:
+            if only is not None and item.relpath not in only:
+                continue
             for part in self._parts(item):
                 count, finished = written.get((item.relpath, part[0] if part else 0), (0, False))[:2]
                 if not finished:
@@ -360,6 +483,30 @@ class _Builder:
             return [None]
         per_part = max(1, math.ceil(total * PART_BYTES / item.size))
         return [(start, min(start + per_part, total)) for start in range(0, total, per_part)]
+
+    def _record(self, discovery: Discovery, finished: Finished) -> incremental.Record:
+        """The record of the dataset being published: its journal's batches (every row's file)."""
+        batches = staging.resolve_journal(staging.read_journal(self.paths), self.options.batch_size).batches
+        stamps = {item.relpath: item for item in discovery.items}
+        skipped = {
+            error.source: [stamps[error.source].size, stamps[error.source].mtime_ns, error.error, error.retry]
+            for error in self.report.errors
+            if error.source in stamps
+        }
+        group = zarr.open_group(self.paths.staging_url, mode="r", **self.paths.zarr_kwargs())
+        return incremental.Record(
+            build_id=self.build_id,
+            spec=self.spec,
+            source=str(self.source),
+            classes=discovery.classes,
+            batch_size=self.options.batch_size,
+            shard_batches=finished.shard_batches,
+            source_width=int(fmt.open_arrays(group)[fmt.SOURCE].shape[1]),
+            checksum=self.options.checksum,
+            batches=[{key: batch[key] for key in ("batch", "shard", "rows", "files")} for batch in batches],
+            skipped=skipped,
+            digests=self.digests,
+        )
 
     def _on_result(self, result: TaskResult) -> None:
         if result.task.first == 0:
@@ -394,6 +541,7 @@ class _Builder:
             created=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             source=str(self.source),
             fingerprint=fingerprint,
+            build_id=self.build_id,
             complete=finished is not None,
             num_samples=samples,
             num_batches=fmt.num_batches(samples, self.options.batch_size),
@@ -420,15 +568,50 @@ class _Builder:
         return self.report
 
 
+def _differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+    """`key was A, now B` for each option that differs."""
+    return [f"{key} was {old.get(key)!r}, now {new.get(key)!r}" for key in new if old.get(key) != new.get(key)]
+
+
 def _mismatch_text(state: Mapping[str, Any], spec: Mapping[str, Any], source: str) -> str:
-    old = {**state.get("spec", {}), "source": state.get("source")}
-    new = {**spec, "source": source}
-    diffs = [f"{key} was {old.get(key)!r}, now {new.get(key)!r}" for key in new if old.get(key) != new.get(key)]
+    diffs = _differences({**state.get("spec", {}), "source": state.get("source")}, {**spec, "source": source})
     return (
         "an interrupted build of this output used other options ("
         + "; ".join(diffs)
         + "): rerun with the same options to resume, or pass --no-resume to start over"
     )
+
+
+def _copy_dataset_shards(fs: Any, root: str, dest: str, group: zarr.Group | None, shards: list[int]) -> None:
+    """Copy the metadata of the dataset at `root` (the group's and every array's `zarr.json`) and
+    the files of `shards` to `dest`: a dataset that reads those shards as the original did."""
+    old = group if group is not None else zarr.open_group(root, mode="r")
+    arrays = fmt.open_arrays(old)
+    fs.makedirs(dest, exist_ok=True)
+    fs.copy(f"{root}/zarr.json", f"{dest}/zarr.json")
+    for name in arrays:
+        fs.makedirs(f"{dest}/{name}", exist_ok=True)
+        fs.copy(f"{root}/{name}/zarr.json", f"{dest}/{name}/zarr.json")
+    for shard in shards:
+        _copy_shard(fs, arrays, f"{root}/", shard, f"{dest}/", shard)
+
+
+def _copy_shard(fs: Any, arrays: Mapping[str, zarr.Array], src: str, old: int, dest: str, new: int) -> None:
+    """Copy shard `old` of every array to shard `new` (server-side on an object store)."""
+    for arr in arrays.values():
+        target = dest + fmt.shard_key(arr, new)
+        fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
+        fs.copy(src + fmt.shard_key(arr, old), target)
+
+
+def _link(src: Path, dst: Path) -> None:
+    """A kept shard file in the staging dataset: a hard link to the published one (which is never
+    written again), or a copy where the filesystem has no hard links."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)
 
 
 def _os_error_text(exc: OSError) -> str:

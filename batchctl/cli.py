@@ -141,7 +141,15 @@ def build(
     ] = False,
     max_errors: Annotated[Optional[int], typer.Option(help="Fail once more than N files were skipped.", min=0)] = None,
     resume: Annotated[bool, typer.Option(help="Resume an interrupted build of OUTPUT.")] = True,
-    force: Annotated[bool, typer.Option("--force", help="Rebuild even when OUTPUT is up to date.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Rebuild everything, even when OUTPUT is up to date.")] = False,
+    checksum: Annotated[
+        bool,
+        typer.Option(
+            "--checksum",
+            help="Compare files by content hash (SHA-256) instead of size and mtime, for filesystems whose "
+            "mtimes cannot be trusted; every file is read to hash it.",
+        ),
+    ] = False,
     timeout: Annotated[
         Optional[float], typer.Option(help="Seconds one file may take; a slower one is killed and skipped.", min=0.001)
     ] = None,
@@ -168,6 +176,7 @@ def build(
         "max_errors": 0 if strict else max_errors,
         "resume": resume,
         "force": force,
+        "checksum": checksum,
         "timeout": timeout,
         "include": tuple(include or ()),
         "engine": engine,
@@ -259,7 +268,6 @@ def _describe(data: dict[str, Any]) -> str:
 
 
 SKIPPED_SHOWN = 20
-
 
 
 @app.command(epilog=EXIT_CODES)

@@ -15,9 +15,10 @@ import os
 import sys
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import groupby
 from multiprocessing.connection import Connection, wait
 from multiprocessing.queues import Queue, SimpleQueue
 from typing import Any
@@ -26,11 +27,12 @@ import numpy as np
 import zarr
 
 from batchctl import format as fmt
-from batchctl import shards, staging
+from batchctl import shards, staging, storage
+from batchctl.incremental import CarryRun, PathKey
 from batchctl.mpinternals import queue_reader
 from batchctl.preprocess import Sample
 from batchctl.processes import init_child
-from batchctl.records import TaskOutput, describe_error
+from batchctl.records import Task, TaskOutput, describe_error
 from batchctl.ring import InRing, SampleRing
 from batchctl.staging import BuildPaths
 
@@ -62,6 +64,18 @@ class CollatorConfig:
     labelled: bool
     source_bytes: int  # the width of the `source` array (the longest input path's UTF-8 bytes)
     resume: ResumePoint = ResumePoint([], None, 0)
+    carry: Carry | None = None
+
+
+@dataclass(frozen=True)
+class Carry:
+    """An incremental build's rows of unchanged files, copied from the previous dataset at `url`
+    (decoded there, encoded again here: they move into new batches), before any new sample."""
+
+    url: str
+    storage_options: Mapping[str, Any]
+    shard_rows: int
+    runs: list[CarryRun]
 
 
 @dataclass(frozen=True)
@@ -274,6 +288,32 @@ class Collator:
             if batch.rows == self.layout.batch_size:
                 self._write_batch()
 
+    def carry_over(self, carry: Carry, stopping: Callable[[], bool]) -> None:
+        """Add the carried rows, one old shard at a time (memory: one shard); each part goes in
+        whole and in sample order once its last old shard is read. Ends early when `stopping`."""
+        group = zarr.open_group(carry.url, mode="r", **storage.zarr_options(carry.url, carry.storage_options))
+        assert self.schema is not None
+        old = {name: arr for name, arr in fmt.open_arrays(group).items() if name in self.schema}
+        last_run = {run.key: i for i, run in enumerate(carry.runs)}
+        pending: dict[PathKey, list[tuple[CarryRun, dict[str, np.ndarray]]]] = {}
+        number = 0
+        for shard, runs in groupby(carry.runs, key=lambda run: run.shard):
+            if stopping():
+                return
+            shard_runs = list(runs)
+            start = shard * carry.shard_rows
+            end = start + max(run.start + run.rows for run in shard_runs)
+            rows = {name: np.asarray(arr[start:end]) for name, arr in old.items()}
+            ready: list[PathKey] = []
+            for run in shard_runs:
+                piece = {name: column[run.start : run.start + run.rows] for name, column in rows.items()}
+                pending.setdefault(run.key, []).append((run, piece))
+                if last_run[run.key] == number:
+                    ready.append(run.key)
+                number += 1
+            if ready:
+                self.add(_carried(ready, pending))
+
     def _write_batch(self) -> None:
         """Write the full batch; a shard whose last batch this was gets its index."""
         self._append_batch()
@@ -394,6 +434,21 @@ class Collator:
         return Stopped(self.samples)
 
 
+def _carried(keys: list[PathKey], pending: dict[PathKey, list[tuple[CarryRun, dict[str, np.ndarray]]]]) -> TaskOutput:
+    """The carried rows of these parts as one output, each part's rows in sample order."""
+    parts: list[tuple[Task, int]] = []
+    columns: dict[str, list[np.ndarray]] = {}
+    for key in keys:
+        pieces = sorted(pending.pop(key), key=lambda piece: piece[0].index)
+        first_run, rows = pieces[0][0], sum(run.rows for run, _ in pieces)
+        part = (first_run.first, first_run.index + rows)
+        parts.append((Task(0, first_run.item, part, skip=first_run.index - first_run.first), rows))
+        for _, piece in pieces:
+            for name, column in piece.items():
+                columns.setdefault(name, []).append(column)
+    return TaskOutput(parts, {name: np.concatenate(pieces) for name, pieces in columns.items()})
+
+
 def _slices(pieces: list[Any], offset: int) -> Iterator[tuple[int, memoryview]]:
     """A chunk's pieces as (offset, bytes) slices of at most WRITE_SLICE bytes, so one big chunk
     is written by several threads at once."""
@@ -454,6 +509,8 @@ def run_collator(
     init_child("batchctl-collator")
     try:
         collator = Collator(config, events)
+        if config.carry is not None and config.carry.runs:
+            collator.carry_over(config.carry, control.poll)
         reader = queue_reader(inbox)
         while True:
             if control in wait([control, reader]):

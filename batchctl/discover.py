@@ -6,6 +6,7 @@ import hashlib
 import os
 import random
 from collections.abc import Callable, Collection, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from stat import S_ISREG
@@ -23,16 +24,47 @@ class Discovery:
     ignored: int = 0
     unreadable: list[tuple[str, str]] = field(default_factory=list)
 
-    def fingerprint(self, options: object, leave_out: Collection[str] = ()) -> str:
-        """Changes when any input path, size or mtime changes, or the options do. A dataset built
-        without the files `leave_out` gets a fingerprint the next discovery (with them) will not
-        match, so the next run tries them again."""
+    def fingerprint(
+        self, options: object, leave_out: Collection[str] = (), digests: Mapping[str, str] | None = None
+    ) -> str:
+        """Changes when any input path, size or mtime changes (with `digests`, content hashes:
+        --checksum), or the options do. A dataset built without the files `leave_out` gets a
+        fingerprint the next discovery (with them) will not match, so the next run tries them again."""
         digest = hashlib.sha256(repr(options).encode())
         for item in sorted(self.items, key=lambda it: it.relpath):
             if item.relpath in leave_out:
                 continue
-            digest.update(f"{item.relpath}\0{item.size}\0{item.mtime_ns}\n".encode())
+            stamp = digests.get(item.relpath, "") if digests else item.mtime_ns
+            digest.update(f"{item.relpath}\0{item.size}\0{stamp}\n".encode())
         return digest.hexdigest()
+
+
+def hash_files(
+    source: str, items: list[WorkItem], storage_options: Mapping[str, Any] | None, threads: int
+) -> dict[str, str]:
+    """Each file's SHA-256 (for --checksum), read by a few threads at once (hashlib releases the
+    GIL); an object's ETag for a URL SOURCE. A file that cannot be read gets no hash (its worker
+    will report it)."""
+    if storage.is_url(source):
+        fs, root = storage.locate(source, storage_options)
+
+        def one(item: WorkItem) -> str:
+            return str(fs.info(f"{root}/{item.relpath}").get("ETag", "")).strip('"')
+
+    else:
+
+        def one(item: WorkItem) -> str:
+            with open(Path(source) / item.relpath, "rb") as file:
+                return hashlib.file_digest(file, "sha256").hexdigest()
+
+    def safe(item: WorkItem) -> tuple[str, str | None]:
+        try:
+            return item.relpath, one(item)
+        except Exception:  # noqa: BLE001 - unreadable: reported by the worker that meets it
+            return item.relpath, None
+
+    with ThreadPoolExecutor(max(2, threads)) as pool:
+        return {relpath: value for relpath, value in pool.map(safe, items) if value}
 
 
 class FolderError(OSError):

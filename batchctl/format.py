@@ -145,6 +145,7 @@ class DatasetAttrs:
     created: str
     source: str
     fingerprint: str = ""
+    build_id: str = ""  # unique to the build that wrote this version; its record beside OUTPUT names it too
     complete: bool = False
     num_samples: int = 0
     num_batches: int = 0
@@ -178,9 +179,14 @@ def num_batches(num_samples: int, batch_size: int) -> int:
     return -(-num_samples // batch_size)
 
 
+SOURCE_WIDTH_STEP = 32
+
+
 def source_width(relpaths: Iterable[str]) -> int:
-    """The width of the `source` array: the longest path's UTF-8 bytes (at least 1)."""
-    return max((len(path.encode("utf-8")) for path in relpaths), default=1) or 1
+    """The width of the `source` array: the longest path's UTF-8 bytes, rounded up to a multiple
+    of SOURCE_WIDTH_STEP, so that a later incremental build can add somewhat longer paths."""
+    longest = max((len(path.encode("utf-8")) for path in relpaths), default=1)
+    return -(-max(longest, 1) // SOURCE_WIDTH_STEP) * SOURCE_WIDTH_STEP
 
 
 def encode_sources(sources: Sequence[str] | np.ndarray, width: int) -> np.ndarray:

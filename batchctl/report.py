@@ -17,6 +17,22 @@ class FileError:
     retry: bool = False  # a transient failure (its worker died or timed out): the next run tries again
 
 
+@dataclass(frozen=True)
+class Changes:
+    """An incremental build's changes to SOURCE since the last build: counts and relative paths."""
+
+    added: dict[str, Any]
+    changed: dict[str, Any]
+    removed: dict[str, Any]
+
+    @classmethod
+    def of(cls, changes: Any) -> Changes:
+        def listed(paths: list[str]) -> dict[str, Any]:
+            return {"count": len(paths), "paths": list(paths)}
+
+        return cls(listed(changes.added), listed(changes.changed), listed(changes.removed))
+
+
 @dataclass
 class BuildReport:
     source: str
@@ -29,6 +45,8 @@ class BuildReport:
     processed: int = 0
     resumed_shards: int = 0  # finished shards kept from an interrupted run
     resumed_samples: int = 0  # samples kept from an interrupted run (in those shards and after them)
+    changes: Changes | None = None  # an incremental build: what changed in SOURCE since the last build
+    kept_samples: int = 0  # an incremental build: samples of unchanged files kept from the last build
     errors: list[FileError] = field(default_factory=list)
     ignored: int = 0
     elapsed_s: float = 0.0
@@ -37,7 +55,11 @@ class BuildReport:
     workers_seen: list[str] = field(default_factory=list)  # --engine dask: host:pid of each worker used
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        """The report; an incremental build's `added`, `changed` and `removed` at the top level."""
+        out = asdict(self)
+        changes = out.pop("changes")
+        out.update(changes or {"added": None, "changed": None, "removed": None})
+        return out
 
     def write(self, path: Path) -> None:
         path.write_text(json.dumps(self.to_json(), indent=2) + "\n", encoding="utf-8")
@@ -57,6 +79,11 @@ class BuildReport:
             f"{verb} {self.output}: {count_of(self.samples, 'sample')} in {count_of(self.batches, 'batch')}, "
             f"{count_of(self.shards, 'shard')}, {_size(self.bytes)}; {count_of(self.processed, 'file')} preprocessed"
         )
+        if self.changes is not None:
+            text += (
+                f" ({self.changes.added['count']} added, {self.changes.changed['count']} changed, "
+                f"{self.changes.removed['count']} removed; {count_of(self.kept_samples, 'sample')} kept)"
+            )
         if self.resumed_samples:
             text += f" ({count_of(self.resumed_samples, 'sample')} kept from an interrupted run)"
         text += f", {len(self.errors)} skipped with errors, {self.ignored} ignored; "

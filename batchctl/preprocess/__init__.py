@@ -29,6 +29,7 @@ from batchctl.preprocess.base import (
 
 __all__ = ["Block", "PreprocessFn", "Preprocessor", "Sample", "builtins", "native", "resolve", "stack_samples", "takes"]
 
+
 def builtins() -> dict[str, Preprocessor]:
     from batchctl.preprocess import audio, image, npy
 

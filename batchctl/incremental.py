@@ -1,0 +1,278 @@
+"""Incremental builds: what changed in SOURCE since the last build, and which rows survive it.
+
+A complete build leaves a record beside OUTPUT (`.NAME.batchctl.record`): its journal's batch
+lines (which file's rows lie in which batch of which shard, with each file's size and mtime),
+the files it skipped, and the dataset's `build_id`, which ties the record to the dataset it
+describes (a record of any other dataset is ignored). The next run compares SOURCE with it:
+
+- added and changed files are preprocessed; removed files' rows are dropped;
+- shards holding no row of a changed or removed file are kept whole (their files are linked or
+  copied, never decoded), renumbered to come first;
+- the other shards (and the last shard when it is short) are rewritten: their kept rows are
+  carried over by the collator, decoded from the previous dataset, never preprocessed again.
+
+The rewritten part is built exactly like an interrupted build being resumed: the kept shards are
+journaled as finished shards, so an interrupted incremental run resumes like any other.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from batchctl import storage
+from batchctl.records import WorkItem
+
+RECORD_VERSION = 1
+PathKey = tuple[str, int]  # (relpath, first sample of the part): one part of one file
+
+
+@dataclass(frozen=True)
+class Record:
+    """What the last complete build of OUTPUT holds, row by row."""
+
+    build_id: str
+    spec: dict[str, Any]
+    source: str
+    classes: list[str] | None
+    batch_size: int
+    shard_batches: int
+    source_width: int
+    checksum: bool
+    batches: list[dict[str, Any]]  # journal lines {"batch", "shard", "rows", "files"}, in order
+    skipped: dict[str, list[Any]] = field(default_factory=dict)  # relpath -> [size, mtime_ns, reason, retry]
+    digests: dict[str, str] = field(default_factory=dict)  # relpath -> content hash (--checksum)
+
+    @property
+    def shard_rows(self) -> int:
+        return self.batch_size * self.shard_batches
+
+    def stamps(self) -> dict[str, tuple[int, int]]:
+        """Each file with rows: its (size, mtime_ns) when it was preprocessed."""
+        return {entry[0]: (int(entry[3]), int(entry[4])) for batch in self.batches for entry in batch["files"]}
+
+
+def record_path(paths_url: str) -> str:
+    """Where the record of OUTPUT `paths_url` lives: beside it, hidden (never an input)."""
+    parent, name = storage.parent_and_name(paths_url) if storage.is_url(paths_url) else os.path.split(paths_url)
+    return f"{parent}/.{name}.batchctl.record"
+
+
+def write_record(url: str, record: Record, storage_options: Mapping[str, Any]) -> None:
+    """Replace the record in one step (a rename, or one PUT): it is whole or not there."""
+    header = {
+        "record": RECORD_VERSION,
+        "build_id": record.build_id,
+        "spec": record.spec,
+        "source": record.source,
+        "classes": record.classes,
+        "batch_size": record.batch_size,
+        "shard_batches": record.shard_batches,
+        "source_width": record.source_width,
+        "checksum": record.checksum,
+        "skipped": record.skipped,
+        "digests": record.digests,
+    }
+    lines = [json.dumps(header)] + [json.dumps(_batch_line(batch)) for batch in record.batches]
+    data = ("\n".join(lines) + "\n").encode()
+    where = record_path(url)
+    if storage.is_url(where):
+        storage.filesystem(where, storage_options).pipe_file(storage.fs_path(where), data)
+        return
+    tmp = Path(where + ".tmp")
+    with open(tmp, "wb") as file:
+        file.write(data)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(tmp, where)
+
+
+def _batch_line(batch: Mapping[str, Any]) -> dict[str, Any]:
+    return {"batch": batch["batch"], "shard": batch["shard"], "rows": batch["rows"], "files": batch["files"]}
+
+
+def read_record(url: str, storage_options: Mapping[str, Any]) -> Record | None:
+    """The record of OUTPUT `url`, or None when there is none or it cannot be read whole."""
+    where = record_path(url)
+    try:
+        if storage.is_url(where):
+            raw = storage.filesystem(where, storage_options).cat_file(storage.fs_path(where))
+        else:
+            raw = Path(where).read_bytes()
+        lines = [json.loads(text) for text in raw.decode().splitlines() if text]
+        header = lines[0]
+        if header.get("record") != RECORD_VERSION:
+            return None
+        return Record(
+            build_id=str(header["build_id"]),
+            spec=header["spec"],
+            source=str(header["source"]),
+            classes=header["classes"],
+            batch_size=int(header["batch_size"]),
+            shard_batches=int(header["shard_batches"]),
+            source_width=int(header["source_width"]),
+            checksum=bool(header["checksum"]),
+            batches=lines[1:],
+            skipped=dict(header["skipped"]),
+            digests=dict(header["digests"]),
+        )
+    except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError):
+        return None
+
+
+def remove_record(url: str, storage_options: Mapping[str, Any]) -> None:
+    where = record_path(url)
+    if storage.is_url(where):
+        fs = storage.filesystem(where, storage_options)
+        if fs.exists(storage.fs_path(where)):
+            fs.rm(storage.fs_path(where))
+        return
+    Path(where).unlink(missing_ok=True)
+
+
+@dataclass(frozen=True)
+class Changes:
+    """Files added, changed (size or mtime, or content with --checksum) and removed since the
+    last build, as relative paths in sorted order."""
+
+    added: list[str]
+    changed: list[str]
+    removed: list[str]
+
+    def line(self) -> str:
+        return f"{len(self.added)} added, {len(self.changed)} changed, {len(self.removed)} removed since the last build"
+
+
+@dataclass(frozen=True)
+class CarryRun:
+    """Rows of one part of an unchanged file, in a shard being rewritten: rows `start` to
+    `start + rows` of old shard `shard`, holding samples `index` onwards of the part that starts
+    at sample `first` of the file."""
+
+    shard: int
+    start: int
+    rows: int
+    item: WorkItem
+    first: int
+    index: int
+
+    @property
+    def key(self) -> PathKey:
+        return (self.item.relpath, self.first)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """An incremental build: the changes, the old shards kept whole (in their new order), and the
+    rows carried over from the others (in order)."""
+
+    changes: Changes
+    kept_shards: list[int]
+    carry: list[CarryRun]
+    kept_batches: list[dict[str, Any]]  # journal lines of the kept shards, renumbered
+    skipped: dict[str, list[Any]]  # unchanged files the last build skipped: not tried again
+
+    @property
+    def kept_samples(self) -> int:
+        return sum(int(batch["rows"]) for batch in self.kept_batches)
+
+    @property
+    def preprocess(self) -> set[str]:
+        return set(self.changes.added) | set(self.changes.changed)
+
+
+def compare(
+    record: Record, items: Iterable[WorkItem], digests: Mapping[str, str], checksum: bool
+) -> tuple[Changes, set[str]]:
+    """What changed, and the set of files whose rows (or skip) the last build's record still vouches for."""
+    current = {item.relpath: item for item in items}
+    known = record.stamps()
+    for relpath, (size, mtime_ns, _, retry) in record.skipped.items():
+        if not retry:
+            known.setdefault(relpath, (int(size), int(mtime_ns)))
+    added, changed, unchanged = [], [], set()
+    for relpath, item in current.items():
+        stamp = known.get(relpath)
+        if stamp is None:
+            added.append(relpath)
+        elif _same(item, stamp, record.digests.get(relpath), digests.get(relpath), checksum):
+            unchanged.add(relpath)
+        else:
+            changed.append(relpath)
+    retried = [relpath for relpath, entry in record.skipped.items() if entry[3] and relpath in current]
+    changed += [relpath for relpath in retried if relpath not in known]
+    added = [relpath for relpath in added if relpath not in retried]
+    removed = [relpath for relpath in known if relpath not in current]
+    return Changes(sorted(added), sorted(changed), sorted(removed)), unchanged
+
+
+def _same(item: WorkItem, stamp: tuple[int, int], old: str | None, new: str | None, checksum: bool) -> bool:
+    """Unchanged: same size and mtime; with --checksum, same size and content hash (a file the last
+    build did not hash is trusted on its size and mtime, and hashed from now on)."""
+    if item.size != stamp[0]:
+        return False
+    if checksum and old is not None and new is not None:
+        return old == new
+    return item.mtime_ns == stamp[1]
+
+
+def plan(record: Record, items: list[WorkItem], digests: Mapping[str, str], checksum: bool) -> Plan:
+    """Which old shards stay whole and which rows are carried over, for the files of `items`."""
+    changes, unchanged = compare(record, items, digests, checksum)
+    current = {item.relpath: item for item in items}
+    shard_rows, batch_size = record.shard_rows, record.batch_size
+    runs: list[tuple[int, int, int, str, int, int]] = []  # (shard, start, rows, relpath, first, index)
+    seen: dict[PathKey, int] = defaultdict(int)
+    shards_of: dict[PathKey, set[int]] = defaultdict(set)
+    rows_in: dict[int, int] = defaultdict(int)
+    for batch in record.batches:
+        shard, position = int(batch["shard"]), (int(batch["batch"]) * batch_size) % shard_rows
+        rows_in[shard] += int(batch["rows"])
+        for relpath, rows, _, _, _, first in batch["files"]:
+            key = (relpath, int(first))
+            runs.append((shard, position, int(rows), relpath, int(first), int(first) + seen[key]))
+            seen[key] += int(rows)
+            shards_of[key].add(shard)
+            position += int(rows)
+    last = max(rows_in, default=-1)
+    dirty = {shard for shard, relpath in ((r[0], r[3]) for r in runs) if relpath not in unchanged}
+    if last >= 0 and rows_in[last] < shard_rows:
+        dirty.add(last)  # the short last shard takes new rows: rewritten
+    while True:  # a part with rows in a rewritten shard is carried whole: its other shards are rewritten too
+        spread = {s for shards in shards_of.values() if shards & dirty for s in shards} - dirty
+        if not spread:
+            break
+        dirty |= spread
+    kept = [shard for shard in sorted(rows_in) if shard not in dirty]
+    new_index = {old: new for new, old in enumerate(kept)}
+    kept_batches = []
+    for batch in record.batches:
+        if int(batch["shard"]) in new_index:
+            number = new_index[int(batch["shard"])] * record.shard_batches + int(batch["batch"]) % record.shard_batches
+            kept_batches.append({**_batch_line(batch), "batch": number, "shard": new_index[int(batch["shard"])]})
+    carry = [
+        CarryRun(shard, start, rows, current[relpath], first, index)
+        for shard, start, rows, relpath, first, index in sorted(runs)
+        if shard in dirty and relpath in unchanged
+    ]
+    skipped = {relpath: entry for relpath, entry in record.skipped.items() if relpath in unchanged}
+    return Plan(changes, kept, carry, kept_batches, skipped)
+
+
+def remaining_carry(carry: list[CarryRun], written: Mapping[PathKey, tuple[int, bool]]) -> list[CarryRun]:
+    """The carry still to do after an interrupted run: parts it finished are left out, and of a
+    part it wrote some rows of (always its first rows: a part is carried in sample order), those."""
+    out = []
+    for run in carry:
+        count, finished = written.get(run.key, (0, False))
+        if finished:
+            continue
+        skip = max(0, min(run.rows, run.first + count - run.index))
+        if skip < run.rows:
+            out.append(CarryRun(run.shard, run.start + skip, run.rows - skip, run.item, run.first, run.index + skip))
+    return out

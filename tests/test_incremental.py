@@ -1,0 +1,197 @@
+"""Incremental builds with the real CLI: rounds of added, removed and changed files; each result
+holds exactly the rows a fresh build holds, and only the new work is done."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import batchctl
+from batchctl.inspect import verify
+from batchctl.synthetic import make_image_folder, photo
+
+from .conftest import PLUGINS, kill_group, run_cli, start_cli, wait_for, wait_group_gone
+
+LAYOUT = ["--batch-size", "4", "--shard-batches", "2", "--workers", "2"]
+SMALL = ["--resize", "32", "--crop", "32", *LAYOUT]
+
+
+def rows_by_key(location: str | Path, **kwargs: object) -> dict[tuple[str, int], np.ndarray]:
+    """Every row of a dataset keyed by (source, source_index); fails on a key seen twice."""
+    rows: dict[tuple[str, int], np.ndarray] = {}
+    for batch in batchctl.open(location, **kwargs):  # type: ignore[arg-type]
+        for source, index, image, label in zip(
+            batch["source"], batch["source_index"], batch["image"], batch["label"], strict=True
+        ):
+            key = (str(source), int(index))
+            assert key not in rows, f"{key} appears twice"
+            rows[key] = np.concatenate([image.ravel(), [label]])
+    return rows
+
+
+def assert_same_rows(got: dict[tuple[str, int], np.ndarray], want: dict[tuple[str, int], np.ndarray]) -> None:
+    assert got.keys() == want.keys()
+    for key, row in want.items():
+        np.testing.assert_array_equal(got[key], row, err_msg=str(key))
+
+
+def change_files(folder: Path, round_: int) -> dict[str, list[str]]:
+    """Add 3 images, remove 2 and rewrite 2 (new content, new size), spread over the classes."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    added = make_image_folder(folder / "new", 3, sides=(60, 90), seed=100 + round_)
+    moved = []
+    for path in added:  # into the class folders, under names of this round
+        target = folder / path.parent.name / f"r{round_}-{path.name}"
+        path.rename(target)
+        moved.append(target)
+    shutil.rmtree(folder / "new")
+    removed, rewritten = files[round_::11][:2], files[round_ + 5 :: 13][:2]
+    for path in removed:
+        path.unlink()
+    for i, path in enumerate(rewritten):
+        photo(70 + i, 80, seed=999 + round_).save(path.with_suffix(".png"), format="PNG")
+        os.replace(path.with_suffix(".png"), path)  # same name, other bytes
+    rel = lambda paths: sorted(p.relative_to(folder).as_posix() for p in paths)  # noqa: E731
+    return {"added": rel(moved), "removed": rel(removed), "changed": rel(rewritten)}
+
+
+def new_image(scratch: Path, target: Path, seed: int) -> None:
+    """A new photo at `target` (made in `scratch`, then moved in whole)."""
+    made = make_image_folder(scratch / f"new{seed}", 1, classes=(), sides=(60, 70), seed=seed)[0]
+    made.rename(target)
+    made.parent.rmdir()
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> Path:
+    root = tmp_path / "data"
+    make_image_folder(root, 40, sides=(60, 120))
+    return root
+
+
+def build(folder: Path, output: Path | str, *extra: str) -> dict:
+    path = folder.parent / f"{Path(str(output)).name}.report.json"
+    result = run_cli("build", folder, "-o", output, *SMALL, *extra, "--report", path)
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    data = json.loads(path.read_text())
+    data["stderr"] = result.stderr
+    return data
+
+
+def test_three_rounds_of_changes_match_a_fresh_build(folder: Path, tmp_path: Path) -> None:
+    out = tmp_path / "data.zarr"
+    first = build(folder, out)
+    assert first["added"] is None and first["processed"] == 40
+    for round_ in range(3):
+        changed = change_files(folder, round_)
+        report = build(folder, out)
+        assert {key: report[key]["paths"] for key in ("added", "changed", "removed")} == changed
+        line = f"{len(changed['added'])} added, {len(changed['changed'])} changed, {len(changed['removed'])} removed"
+        assert f"{line} since the last build" in report["stderr"]
+        assert report["processed"] == len(changed["added"]) + len(changed["changed"])  # nothing else preprocessed
+        fresh = tmp_path / f"fresh{round_}.zarr"
+        build(folder, fresh)
+        assert_same_rows(rows_by_key(out), rows_by_key(fresh))
+        assert verify(out) == []
+        assert run_cli("build", folder, "-o", out, *SMALL).stderr.count("up to date") == 1
+
+
+def test_only_an_added_file_rewrites_only_the_last_shard(folder: Path, tmp_path: Path) -> None:
+    out = tmp_path / "data.zarr"
+    build(folder, out)  # 40 rows: 5 full shards of 8
+    before = {p.name: p.stat().st_ino for p in (out / "source_index" / "c").iterdir()}
+    new_image(tmp_path, folder / "cat" / "late.jpg", 7)
+    report = build(folder, out)
+    assert report["processed"] == 1 and report["kept_samples"] == 40 and report["samples"] == 41
+    after = {p.name: p.stat().st_ino for p in (out / "source_index" / "c").iterdir()}
+    assert sorted(after) == ["0", "1", "2", "3", "4", "5"]
+    assert all(after[name] == before[name] for name in before)  # the full shards kept as they were (linked)
+
+
+def test_an_interrupted_incremental_run_resumes(folder: Path, tmp_path: Path) -> None:
+    out = tmp_path / "data.zarr"
+    slow = ["--preprocess", f"{PLUGINS}:slow_image", "--option", "delay=0.15", *LAYOUT]
+    report = tmp_path / "r.json"
+    assert run_cli("build", folder, "-o", out, *slow).returncode == 0
+    for i in range(12):
+        new_image(tmp_path, folder / "dog" / f"new{i}.jpg", 50 + i)
+    removed = sorted(folder.rglob("*.jpg"))[0]
+    removed.unlink()
+    proc = start_cli("build", folder, "-o", out, *slow)
+    work = tmp_path / ".data.zarr.batchctl" / "journal.jsonl"
+    wait_for(lambda: work.exists() and work.stat().st_size > 0 and _new_rows_journaled(work) >= 2)
+    kill_group(proc, signal.SIGINT)
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 130, stderr
+    assert wait_group_gone(proc.pid) == []
+    assert batchctl.open(out).num_samples == 40  # the previous version, untouched
+
+    result = run_cli("build", folder, "-o", out, *slow, "--report", report)
+    assert result.returncode == 0, result.stderr
+    data = json.loads(report.read_text())
+    assert data["resumed_samples"] >= 2 and data["processed"] <= 12 - 2
+    assert data["added"]["count"] == 12 and data["removed"]["paths"] == [removed.relative_to(folder).as_posix()]
+    fresh = tmp_path / "fresh.zarr"
+    assert run_cli("build", folder, "-o", fresh, *slow).returncode == 0
+    assert_same_rows(rows_by_key(out), rows_by_key(fresh))
+
+
+def _new_rows_journaled(journal: Path) -> int:
+    """Rows of files named new* in the journal."""
+    count = 0
+    for text in journal.read_text().splitlines():
+        try:
+            line = json.loads(text)
+        except ValueError:
+            break
+        count += sum(entry[1] for entry in line.get("files", []) if entry[0].split("/")[-1].startswith("new"))
+    return count
+
+
+def test_checksum_sees_new_content_behind_an_old_mtime(folder: Path, tmp_path: Path) -> None:
+    out = tmp_path / "data.zarr"
+    build(folder, out, "--checksum")
+    victim = sorted(folder.rglob("*.jpg"))[3]
+    stat = victim.stat()
+    data = bytearray(victim.read_bytes())
+    other = sorted(folder.rglob("*.jpg"))[4].read_bytes()
+    victim.write_bytes(other[: len(data)].ljust(len(data), b"\0"))  # same size, other content
+    os.utime(victim, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # and the old mtime
+    report = build(folder, out, "--checksum")
+    assert report["changed"]["paths"] == [victim.relative_to(folder).as_posix()] and report["processed"] == 1
+    fresh = tmp_path / "fresh.zarr"
+    build(folder, fresh)
+    assert_same_rows(rows_by_key(out), rows_by_key(fresh))
+
+
+def test_other_options_rebuild_everything_and_say_why(folder: Path, tmp_path: Path) -> None:
+    out = tmp_path / "data.zarr"
+    build(folder, out)
+    (folder / "cat" / "extra.jpg").write_bytes((next(folder.rglob("*.jpg"))).read_bytes())
+    result = run_cli("build", folder, "-o", out, *SMALL[:-4], "--shard-batches", "3", "--workers", "2")
+    assert result.returncode == 0 and "building everything: shard_batches was 2, now 3" in result.stderr
+    forced = run_cli("build", folder, "-o", out, *SMALL, "--shard-batches", "3", "--force")
+    assert forced.returncode == 0 and "building everything (--force)" in forced.stderr
+
+
+def test_a_skipped_file_is_not_tried_again_until_it_changes(folder: Path, tmp_path: Path) -> None:
+    out = tmp_path / "data.zarr"
+    bad = folder / "fish" / "broken.jpg"
+    bad.write_bytes(b"not an image")
+    first = build(folder, out)
+    assert [e["source"] for e in first["errors"]] == ["fish/broken.jpg"]
+    new_image(tmp_path, folder / "cat" / "n.jpg", 3)
+    second = build(folder, out)
+    assert second["processed"] == 1 and second["added"]["paths"] == ["cat/n.jpg"]
+    assert [e["source"] for e in second["errors"]] == ["fish/broken.jpg"]  # still counted, not retried
+    assert "skipped fish/broken.jpg" not in second["stderr"]
+    bad.write_bytes(b"still not an image, but changed")
+    third = build(folder, out)
+    assert third["changed"]["paths"] == ["fish/broken.jpg"] and third["processed"] == 1
