@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import zarr
 
 from batchctl import format as fmt
@@ -24,6 +25,7 @@ from batchctl.errors import (
     BuildFailed,
     BuildInterrupted,
     FormatError,
+    PipelineError,
     ResumeMismatchError,
     Signalled,
     UsageError,
@@ -31,7 +33,7 @@ from batchctl.errors import (
     signal_handled,
     signalled_in,
 )
-from batchctl.pipeline import Pipeline, PipelineConfig, PipelineError
+from batchctl.pipeline import Pipeline, PipelineConfig
 from batchctl.preprocess import Preprocessor, resolve
 from batchctl.processes import signals_raise, sweep_dead_builds
 from batchctl.progress import Progress
@@ -140,6 +142,7 @@ class _Builder:
         self.build_id = uuid.uuid4().hex
         self.digests: dict[str, str] = {}  # --checksum: each input's content hash
         self.carry: Carry | None = None  # an incremental build's rows carried over from the last one
+        self.kept_groups: list[dict[str, Any]] = []  # --engine dask: groups an interrupted run finished
 
     def run(self) -> BuildReport:
         if storage.is_url(self.output):
@@ -183,12 +186,12 @@ class _Builder:
                 f"preprocessor ({', '.join(self.preprocessor.include or self.preprocessor.extensions or ('any',))})",
                 self.report,
             )
-        if self.options.engine == "dask":
-            return self._run_dask(discovery, fingerprint)
         tasks = self._plan(discovery)
         check_signalled()
         for relpath, reason in discovery.unreadable:
             self._error(relpath, reason)
+        if self.options.engine == "dask":
+            return self._run_dask(discovery, fingerprint, tasks)
         split = any(task.part for task in tasks)
         self.progress.start(len(tasks), self.resumed_batches, split)
         config = PipelineConfig(
@@ -215,31 +218,49 @@ class _Builder:
             raise BuildFailed(f"no samples were produced: all {len(discovery.items)} files were skipped", self.report)
         return self._complete(discovery, fingerprint, finished)
 
-    def _run_dask(self, discovery: Discovery, fingerprint: str) -> BuildReport:
-        from batchctl.dask_engine import DaskRun
+    def _run_dask(self, discovery: Discovery, fingerprint: str, tasks: list[Task]) -> BuildReport:
+        from batchctl.dask_engine import DaskJob, DaskRun
 
-        for relpath, reason in discovery.unreadable:
-            self._error(relpath, reason)
-        staging.start_workdir(self.paths)  # a Dask build starts afresh (no journal to resume from)
-        group = zarr.open_group(self.paths.staging_url, mode="w", **self.paths.zarr_kwargs())
-        fmt.write_attrs(group, self._attrs(discovery))
-        tasks = self._tasks(discovery, {})
-        self.progress.start(len(tasks), 0, any(task.part for task in tasks))
-        run = DaskRun(self, group, discovery.classes is not None)
-        finished = run.run(tasks)
+        self.progress.start(len(tasks), self.resumed_batches, any(task.part for task in tasks))
+        job = DaskJob(
+            paths=self.paths,
+            source=SourceRoot(self.source, self.options.storage_options),
+            preprocessor=self.preprocessor,
+            pp_options=self.pp_options,
+            batch_size=self.options.batch_size,
+            shard_batches=self.options.shard_batches,
+            compression=self.options.compression,
+            workers=self.options.workers,
+            scheduler=self.options.scheduler,
+            labelled=discovery.classes is not None,
+            source_bytes=fmt.source_width(item.relpath for item in discovery.items),
+            on_result=self._on_dask_result,
+            on_batches=self.progress.batches_written,
+            base=self.resume_point.done_shards,
+            kept_groups=self.kept_groups,
+            carry=self.carry,
+        )
+        run = DaskRun(job)
+        outcome = run.run(tasks)
         self.progress.close()
         self.report.workers_seen = sorted(run.workers_seen)
+        if outcome.samples == 0:
+            raise BuildFailed(f"no samples were produced: all {len(discovery.items)} files were skipped", self.report)
+        finished = Finished(outcome.samples, outcome.shards, outcome.shard_batches, outcome.schema)
         return self._complete(discovery, fingerprint, finished)
+
+    def _on_dask_result(self, result: TaskResult) -> None:
+        self._on_result(result)
+        self.progress.file_done()
 
     def _complete(self, discovery: Discovery, fingerprint: str, finished: Finished) -> BuildReport:
         check_signalled()
         retry = {error.source for error in self.report.errors if error.retry}
         if retry:  # files lost with their worker: the next run must not find this dataset up to date
             fingerprint = discovery.fingerprint([self.spec, discovery.classes], leave_out=retry, digests=self.digests)
-        record = self._record(discovery, finished) if self.options.engine == "local" else None
+        record = self._record(discovery, finished)
         self._publish(discovery, fingerprint, finished)
-        if record is not None:
-            incremental.write_record(self.output, record, self.options.storage_options)
+        incremental.write_record(self.output, record, self.options.storage_options)
         self.report.samples = finished.samples
         self.report.batches = fmt.num_batches(finished.samples, self.options.batch_size)
         self.report.shards = finished.shards
@@ -285,7 +306,13 @@ class _Builder:
         return self._tasks(discovery, {})
 
     def _state(self, discovery: Discovery, **more: Any) -> dict[str, Any]:
-        return {"spec": self.spec, "source": str(self.source), "classes": discovery.classes, **more}
+        return {
+            "spec": self.spec,
+            "source": str(self.source),
+            "classes": discovery.classes,
+            "engine": self.options.engine,
+            **more,
+        }
 
     def _incremental_plan(self, discovery: Discovery) -> tuple[incremental.Plan, incremental.Record] | None:
         """How to build on the complete dataset at OUTPUT, or None (and why, in one line) when
@@ -324,8 +351,8 @@ class _Builder:
         carry_from = self.output
         if self.paths.remote:
             group = zarr.open_group(self.paths.staging_url, mode="r+", **self.paths.zarr_kwargs())
-            fmt.write_attrs(group, self._attrs(discovery))  # no longer complete: its shards move now
-            incremental.remove_record(self.output, self.options.storage_options)
+            # no longer complete, nor the build its record names: its shards move now
+            fmt.write_attrs(group, self._attrs(discovery))
             carry_from = f"{self.paths.workdir_url}/previous.zarr"
             _copy_dataset_shards(fs, root, storage.fs_path(carry_from), group, sorted({r.shard for r in plan.carry}))
             for new, old in enumerate(plan.kept_shards):
@@ -361,7 +388,11 @@ class _Builder:
         if state.get("classes") != discovery.classes:
             self.progress.info("the class folders changed since the interrupted build; starting over")
             return None
-        kept = self._journaled()
+        engine = state.get("engine", "local")
+        if engine != self.options.engine:
+            self.progress.info(f"the interrupted build ran on the {engine} engine; starting over")
+            return None
+        kept = self._journaled() if engine == "local" else self._journaled_groups()
         written: dict[tuple[str, int], list[Any]] = {}  # (file, first sample of part) -> count, finished, stamp
         for relpath, count, finished, size, mtime_ns, first in kept.entries:
             entry = written.setdefault((relpath, first), [0, False, size, mtime_ns])
@@ -380,8 +411,10 @@ class _Builder:
             if plan is None:
                 return None
             only = plan.preprocess
-        staging.rewrite_journal(self.paths, kept.lines())
+        if engine == "local":
+            staging.rewrite_journal(self.paths, kept.lines())
         self.resume_point = ResumePoint(kept.batches, kept.partial, kept.done_shards)
+        self.kept_groups = kept.groups
         self.report.resumed_shards = kept.done_shards
         kept_samples = sum(int(entry[1]) for entry in kept.entries)
         self.report.resumed_samples = kept_samples - (seeded or {}).get("kept_samples", 0)
@@ -443,6 +476,26 @@ class _Builder:
         fmt.remove_shards_from(arrays, fs, root, max((b["shard"] for b in journaled.kept), default=-1) + 1)
         return journaled
 
+    def _journaled_groups(self) -> staging.Journaled:
+        """What an interrupted Dask build journaled: the shards kept from the last build (finished
+        shards) and the groups it finished whose shard or spill object is really there."""
+        lines = staging.read_journal(self.paths)
+        seeded = staging.resolve_journal(lines, self.options.batch_size)
+        group = zarr.open_group(self.paths.staging_url, mode="r", **self.paths.zarr_kwargs())
+        source = fmt.open_arrays(group).get(fmt.SOURCE)
+        fs, root = storage.locate(self.paths.staging_url, self.paths.storage_options)
+
+        def present(line: dict[str, Any]) -> bool:
+            if line["full"]:
+                shard = seeded.done_shards + int(line["group"])
+                return source is not None and bool(fs.exists(f"{root}/{fmt.shard_key(source, shard)}"))
+            name = "carry" if line["group"] < 0 else f"{int(line['group']):08d}"
+            spill_fs, where = storage.locate(f"{self.paths.workdir_url}/spill/{name}.npz", self.options.storage_options)
+            return bool(spill_fs.exists(where))
+
+        groups = [line for line in lines if "group" in line and present(line)]
+        return staging.Journaled(seeded.batches, None, seeded.done_shards, groups)
+
     def _decodes(self, arrays: Mapping[str, zarr.Array], partial: dict[str, Any]) -> bool:
         """The half-filled batch reads back whole from its shard files (local OUTPUT only)."""
         if self.paths.remote:
@@ -485,9 +538,13 @@ class _Builder:
         return [(start, min(start + per_part, total)) for start in range(0, total, per_part)]
 
     def _record(self, discovery: Discovery, finished: Finished) -> incremental.Record:
-        """The record of the dataset being published: its journal's batches (every row's file)."""
-        batches = staging.resolve_journal(staging.read_journal(self.paths), self.options.batch_size).batches
+        """The record of the dataset being published: its journal's batches (every row's file);
+        for a Dask build, whose rows the client moved about, read from its `source` columns."""
         stamps = {item.relpath: item for item in discovery.items}
+        if self.options.engine == "local":
+            batches = staging.resolve_journal(staging.read_journal(self.paths), self.options.batch_size).batches
+        else:
+            batches = self._batches_from_columns(stamps)
         skipped = {
             error.source: [stamps[error.source].size, stamps[error.source].mtime_ns, error.error, error.retry]
             for error in self.report.errors
@@ -507,6 +564,27 @@ class _Builder:
             skipped=skipped,
             digests=self.digests,
         )
+
+    def _batches_from_columns(self, stamps: Mapping[str, WorkItem]) -> list[dict[str, Any]]:
+        """Journal-like batch lines of the staging dataset, from its `source` and `source_index`:
+        one entry per run of consecutive samples of one file within a batch."""
+        group = zarr.open_group(self.paths.staging_url, mode="r", **self.paths.zarr_kwargs())
+        arrays = fmt.open_arrays(group)
+        sources = fmt.decode_sources(np.asarray(arrays[fmt.SOURCE][:])).tolist()
+        indices = np.asarray(arrays[fmt.SOURCE_INDEX][:]).tolist()
+        size, shard_rows = self.options.batch_size, int(arrays[fmt.SOURCE].shards[0])  # type: ignore[index]
+        batches = []
+        for number, start in enumerate(range(0, len(sources), size)):
+            files: list[list[Any]] = []
+            for relpath, index in zip(sources[start : start + size], indices[start : start + size], strict=True):
+                if files and files[-1][0] == relpath and files[-1][5] + files[-1][1] == index:
+                    files[-1][1] += 1
+                else:
+                    item = stamps[relpath]
+                    files.append([relpath, 1, True, item.size, item.mtime_ns, index])
+            rows = min(size, len(sources) - start)
+            batches.append({"batch": number, "shard": start // shard_rows, "rows": rows, "files": files})
+        return batches
 
     def _on_result(self, result: TaskResult) -> None:
         if result.task.first == 0:

@@ -14,15 +14,16 @@ from __future__ import annotations
 import io
 import os
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import zarr
 
 from batchctl import format as fmt
-from batchctl import storage
-from batchctl.collate import check_schema
+from batchctl import staging, storage
+from batchctl.collate import Carry, check_schema
+from batchctl.errors import PipelineError, UsageError
 from batchctl.preprocess import Preprocessor, resolve
 from batchctl.records import Task, TaskResult
 from batchctl.staging import BuildPaths
@@ -34,7 +35,8 @@ from batchctl.workers import preprocess_task
 class GroupSpec:
     """Everything a Dask task needs; plain data, pickled to the worker."""
 
-    index: int
+    index: int  # the group's number
+    shard: int  # the shard it owns
     tasks: list[Task]
     preprocess: str
     options: Mapping[str, Any]
@@ -90,7 +92,7 @@ def run_group(spec: GroupSpec) -> GroupResult:
     full = rows == spec.layout.shard_rows
     if full:
         group = zarr.open_group(spec.dataset, mode="r+", **storage.zarr_options(spec.dataset, spec.storage_options))
-        fmt.write_shard_at(fmt.open_arrays(group), spec.layout, spec.index, columns)
+        fmt.write_shard_at(fmt.open_arrays(group), spec.layout, spec.shard, columns)
     else:
         _write_spill(spec, columns)
     return GroupResult(spec.index, results, rows, full, os.getpid(), os.uname().nodename)
@@ -113,10 +115,14 @@ def _columns(outputs: list[Any], schema: Mapping[str, fmt.FieldSpec], labelled: 
 
 
 def _write_spill(spec: GroupSpec, columns: Mapping[str, np.ndarray]) -> None:
+    _store_spill(spec.spill, spec.storage_options, columns)
+
+
+def _store_spill(location: str, storage_options: Mapping[str, Any], columns: Mapping[str, np.ndarray]) -> None:
     buffer = io.BytesIO()
     arrays = {name: col.astype(str) if col.dtype == object else col for name, col in columns.items()}
     np.savez(buffer, **arrays)  # type: ignore[arg-type]
-    fs, where = storage.locate(spec.spill, spec.storage_options)
+    fs, where = storage.locate(location, storage_options)
     fs.pipe_file(where, buffer.getvalue())
 
 
@@ -173,21 +179,61 @@ def spill_rows(spills: list[dict[str, np.ndarray]], shard_rows: int) -> Iterator
         yield {name: column[start : start + shard_rows] for name, column in merged.items()}
 
 
+@dataclass(frozen=True)
+class DaskJob:
+    """What a build hands the Dask engine: plain settings, what is already there, and where to
+    report. `base` shards are in the staging dataset already (kept whole from the last build);
+    `kept_groups` are the journal lines of groups an interrupted run finished; `carry` the rows
+    of unchanged files to copy over from the last build."""
+
+    paths: BuildPaths
+    source: SourceRoot
+    preprocessor: Preprocessor
+    pp_options: Mapping[str, Any]
+    batch_size: int
+    shard_batches: int | None
+    compression: str
+    workers: int
+    scheduler: str | None
+    labelled: bool
+    source_bytes: int
+    on_result: Callable[[TaskResult], None]
+    on_batches: Callable[[int], None]
+    base: int = 0
+    kept_groups: list[dict[str, Any]] = field(default_factory=list)
+    carry: Carry | None = None
+
+
+@dataclass(frozen=True)
+class Outcome:
+    samples: int
+    shards: int
+    shard_batches: int
+    schema: dict[str, dict[str, Any]]
+
+
 class DaskRun:
-    """The client's side of a Dask build: probe the schema, submit the groups, follow them as they
-    finish, then close the gaps between shards."""
+    """The client's side of a Dask build: probe the schema, submit the groups, journal each as it
+    finishes, then close the gaps between shards."""
 
-    def __init__(self, builder: Any, group: zarr.Group, labelled: bool) -> None:
-        self.builder = builder
-        self.options = builder.options
-        self.paths: BuildPaths = builder.paths
-        self.group = group
-        self.labelled = labelled
-        self.source = SourceRoot(builder.source, self.options.storage_options)
+    def __init__(self, job: DaskJob) -> None:
+        self.job = job
+        self.paths = job.paths
+        self.group = zarr.open_group(job.paths.staging_url, mode="r+", **job.paths.zarr_kwargs())
         self.workers_seen: set[str] = set()
+        self.spill_dir = f"{self.paths.workdir_url}/spill"
 
-    def run(self, tasks: list[Task]) -> Any:
-        schema, rows = self._probe_schema(tasks)
+    def run(self, tasks: list[Task]) -> Outcome:
+        arrays = fmt.open_arrays(self.group)
+        if arrays:  # resumed, or seeded from the last build: the arrays say what they hold
+            schema = {
+                name: fmt.FieldSpec(tuple(arr.shape[1:]), arr.dtype.name)
+                for name, arr in arrays.items()
+                if name not in fmt.RESERVED_FIELDS
+            }
+            rows: dict[str, np.ndarray] = {}
+        else:
+            schema, rows = self._probe_schema(tasks)
         client, cluster = self._client()
         try:
             return self._run(tasks, schema, rows, client)
@@ -199,112 +245,146 @@ class DaskRun:
     def _shard_batches(self, tasks: list[Task], schema: dict[str, fmt.FieldSpec], client: Any) -> int:
         """The usual ~128 MiB shards, but small enough that every worker thread gets about four
         groups: a group is one Dask task, and a data set of few shards would leave workers idle."""
-        if self.options.shard_batches:
-            return int(self.options.shard_batches)
+        if self.job.shard_batches:
+            return int(self.job.shard_batches)
         threads = max(1, sum(client.nthreads().values()))
-        batches = -(-sum(_expected_rows(task) for task in tasks) // self.options.batch_size)
+        batches = -(-sum(_expected_rows(task) for task in tasks) // self.job.batch_size)
         spread = max(fmt.MIN_SHARD_BATCHES, -(-batches // (4 * threads)))
-        return min(fmt.default_shard_batches(self.options.batch_size, schema), spread)
+        return min(fmt.default_shard_batches(self.job.batch_size, schema), spread)
+
+    def _arrays(
+        self, tasks: list[Task], schema: dict[str, fmt.FieldSpec], rows: dict[str, np.ndarray], client: Any
+    ) -> tuple[dict[str, zarr.Array], fmt.Layout]:
+        """The staging arrays: there already (their layout stands), or created now."""
+        arrays = fmt.open_arrays(self.group)
+        if arrays:
+            shard_rows = int(arrays[fmt.SOURCE].shards[0])  # type: ignore[index]
+            return arrays, fmt.Layout(self.job.batch_size, shard_rows // self.job.batch_size)
+        layout = fmt.Layout(self.job.batch_size, self._shard_batches(tasks, schema, client))
+        job = self.job
+        return fmt.create_arrays(
+            self.group, schema, layout, job.compression, job.labelled, job.source_bytes, rows
+        ), layout
 
     def _run(
         self, tasks: list[Task], schema: dict[str, fmt.FieldSpec], rows: dict[str, np.ndarray], client: Any
-    ) -> Any:
-        from batchctl.collate import Finished
-
-        shard_batches = self._shard_batches(tasks, schema, client)
-        layout = fmt.Layout(self.options.batch_size, shard_batches)
+    ) -> Outcome:
+        arrays, layout = self._arrays(tasks, schema, rows, client)
+        first = max((int(line["group"]) for line in self.job.kept_groups), default=-1) + 1
         groups = plan_groups(tasks, layout.shard_rows, _expected_rows)
-        width = fmt.source_width(task.item.relpath for task in tasks)
-        arrays = fmt.create_arrays(self.group, schema, layout, self.options.compression, self.labelled, width, rows)
         for arr in arrays.values():  # sized for every group's shard up front: tasks write no metadata
-            arr.resize((len(groups) * layout.shard_rows, *arr.shape[1:]))
-        spill_dir = f"{self.paths.workdir_url}/spill"
+            arr.resize(((self.job.base + first + len(groups)) * layout.shard_rows, *arr.shape[1:]))
         if not self.paths.remote:
-            os.makedirs(spill_dir, exist_ok=True)
+            os.makedirs(self.spill_dir, exist_ok=True)
+        done = list(self.job.kept_groups)
+        if self.job.carry is not None and self.job.carry.runs:
+            done.append(self._write_carry(self.job.carry, schema))
         specs = [
             GroupSpec(
-                index,
-                group,
-                self.builder.preprocessor.name,
-                self.builder.pp_options,
-                self.source,
-                self.paths.staging_url,
-                dict(self.options.storage_options),
-                f"{spill_dir}/{index:08d}.npz",
-                layout,
-                schema,
-                self.labelled,
+                index=first + number,
+                shard=self._shard_of(first + number),
+                tasks=group,
+                preprocess=self.job.preprocessor.name,
+                options=self.job.pp_options,
+                source=self.job.source,
+                dataset=self.paths.staging_url,
+                storage_options=dict(self.paths.storage_options),
+                spill=self._spill(first + number),
+                layout=layout,
+                schema=schema,
+                labelled=self.job.labelled,
             )
-            for index, group in enumerate(groups)
+            for number, group in enumerate(groups)
         ]
-        results = self._submit(client, specs, layout)
-        samples = self._compact(arrays, layout, results, specs)
-        return Finished(
-            samples,
-            -(-samples // layout.shard_rows),
-            shard_batches,
-            {name: spec.to_json() for name, spec in schema.items()},
-        )
+        done += self._submit(client, specs, layout)
+        samples = self._compact(arrays, layout, done)
+        shards = -(-samples // layout.shard_rows)
+        return Outcome(samples, shards, layout.shard_batches, {name: spec.to_json() for name, spec in schema.items()})
+
+    def _spill(self, group: int) -> str:
+        return f"{self.spill_dir}/{group:08d}.npz" if group >= 0 else f"{self.spill_dir}/carry.npz"
+
+    def _shard_of(self, group: int) -> int:
+        return self.job.base + group
+
+    def _write_carry(self, carry: Carry, schema: Mapping[str, fmt.FieldSpec]) -> dict[str, Any]:
+        """The rows carried over from the last build, as one spill (group -1), journaled."""
+        old = zarr.open_group(carry.url, mode="r", **storage.zarr_options(carry.url, carry.storage_options))
+        arrays = {name: arr for name, arr in fmt.open_arrays(old).items() if name in schema}
+        pieces: dict[str, list[np.ndarray]] = {name: [] for name in schema}
+        for run in carry.runs:
+            start = run.shard * carry.shard_rows + run.start
+            for name, arr in arrays.items():
+                pieces[name].append(np.asarray(arr[start : start + run.rows]))
+        columns = {name: np.concatenate(parts) for name, parts in pieces.items()}
+        columns[fmt.SOURCE] = np.array([run.item.relpath for run in carry.runs for _ in range(run.rows)], dtype=object)
+        columns[fmt.SOURCE_INDEX] = np.concatenate([np.arange(run.index, run.index + run.rows) for run in carry.runs])
+        if self.job.labelled:
+            columns[fmt.LABEL] = np.concatenate([np.full(run.rows, run.item.label, np.int64) for run in carry.runs])
+        _store_spill(self._spill(-1), self.paths.storage_options, columns)
+        files = [[r.item.relpath, r.rows, True, r.item.size, r.item.mtime_ns, r.first] for r in carry.runs]
+        line = {"group": -1, "full": False, "rows": len(columns[fmt.SOURCE]), "files": files}
+        staging.append_group_journal(self.paths, line)
+        return line
 
     def _probe_schema(self, tasks: list[Task]) -> tuple[dict[str, fmt.FieldSpec], dict[str, np.ndarray]]:
         """The schema and rows of the first file that preprocesses, here in the client (one file's
         work; `auto` compression measures the rows)."""
         for task in tasks:
-            _, output = preprocess_task(task, self.builder.preprocessor, self.builder.pp_options, self.source)
+            _, output = preprocess_task(task, self.job.preprocessor, self.job.pp_options, self.job.source)
             if output is not None:
                 first = {name: column[0] for name, column in output.columns.items()}
                 if check_schema({name: fmt.FieldSpec.of(v) for name, v in first.items()}, first) is None:
                     return {name: fmt.FieldSpec.of(value) for name, value in first.items()}, output.columns
-        from batchctl.errors import BuildFailed
-
-        raise BuildFailed(f"no samples were produced: all {len(tasks)} files were skipped", self.builder.report)
+        raise PipelineError(f"no samples were produced: all {len(tasks)} files were skipped")
 
     def _client(self) -> Any:
         try:
             from distributed import Client, LocalCluster
         except ImportError:
-            from batchctl.errors import UsageError
-
             raise UsageError("--engine dask needs dask.distributed: pip install 'batchctl[dask]'") from None
-        if self.options.scheduler:
-            return Client(self.options.scheduler, timeout="30s"), None
-        cluster = LocalCluster(
-            n_workers=self.options.workers, threads_per_worker=1, processes=True, dashboard_address=None
-        )
+        if self.job.scheduler:
+            return Client(self.job.scheduler, timeout="30s"), None
+        cluster = LocalCluster(n_workers=self.job.workers, threads_per_worker=1, processes=True, dashboard_address=None)
         return Client(cluster), cluster
 
-    def _submit(self, client: Any, specs: list[GroupSpec], layout: fmt.Layout) -> list[GroupResult]:
+    def _submit(self, client: Any, specs: list[GroupSpec], layout: fmt.Layout) -> list[dict[str, Any]]:
+        """Run the groups; each one's journal line once it is done (its shard or spill is written)."""
         from distributed import as_completed
 
         futures = []
+        lines = []
         try:
             futures = [client.submit(run_group, spec, retries=3, pure=False) for spec in specs]
-            results = []
             for future in as_completed(futures):
                 result: GroupResult = future.result()
-                results.append(result)
                 self.workers_seen.add(f"{result.host}:{result.pid}")
+                files = [
+                    [r.task.item.relpath, r.samples, True, r.task.item.size, r.task.item.mtime_ns, r.task.first]
+                    for r in result.results
+                    if r.samples
+                ]
+                line = {"group": result.index, "full": result.full, "rows": result.rows, "files": files}
+                staging.append_group_journal(self.paths, line)
+                lines.append(line)
                 for task_result in result.results:
-                    self.builder._on_result(task_result)
-                    self.builder.progress.file_done()
+                    self.job.on_result(task_result)
                 if result.full:
-                    self.builder.progress.batches_written(layout.shard_batches)
-            return results
+                    self.job.on_batches(layout.shard_batches)
+            return lines
         finally:
             client.cancel(futures)
 
-    def _compact(
-        self, arrays: Mapping[str, zarr.Array], layout: fmt.Layout, results: list[GroupResult], specs: list[GroupSpec]
-    ) -> int:
+    def _compact(self, arrays: Mapping[str, zarr.Array], layout: fmt.Layout, done: list[dict[str, Any]]) -> int:
         """Make the shards contiguous; the dataset's number of samples."""
-        full = sorted(result.index for result in results if result.full)
-        spilled = sorted((result for result in results if not result.full and result.rows), key=lambda r: r.index)
-        plan = plan_compaction(full, sum(result.rows for result in spilled), layout.shard_rows)
+        full = list(range(self.job.base)) + sorted(self._shard_of(int(g["group"])) for g in done if g["full"])
+        spilled = sorted((g for g in done if not g["full"] and g["rows"]), key=lambda g: int(g["group"]))
+        plan = plan_compaction(full, sum(int(g["rows"]) for g in spilled), layout.shard_rows)
         for source, target in plan.moves:
             move_shard(self.paths, arrays, source, target)
         for arr in arrays.values():
             arr.resize((plan.total_rows, *arr.shape[1:]))
-        spills = [read_spill(specs[result.index].spill, self.options.storage_options) for result in spilled]
+        spills = [read_spill(self._spill(int(g["group"])), self.paths.storage_options) for g in spilled]
         for index, columns in zip(plan.spill_shards, spill_rows(spills, layout.shard_rows), strict=True):
             fmt.write_shard_at(arrays, layout, index, columns)
         return plan.total_rows

@@ -85,6 +85,11 @@ class ResumeMismatchError(UsageError):
     """An interrupted build was started with other options than the ones given now."""
 
 
+class PipelineError(Exception):
+    """A fatal problem while building (a child died, the collator failed, no sample came out):
+    the build turns it into `BuildFailed` with its report."""
+
+
 class BuildFailed(BatchctlError):
     """The build ended without a complete dataset; `report` says how far it got."""
 

@@ -125,16 +125,6 @@ def read_record(url: str, storage_options: Mapping[str, Any]) -> Record | None:
         return None
 
 
-def remove_record(url: str, storage_options: Mapping[str, Any]) -> None:
-    where = record_path(url)
-    if storage.is_url(where):
-        fs = storage.filesystem(where, storage_options)
-        if fs.exists(storage.fs_path(where)):
-            fs.rm(storage.fs_path(where))
-        return
-    Path(where).unlink(missing_ok=True)
-
-
 @dataclass(frozen=True)
 class Changes:
     """Files added, changed (size or mtime, or content with --checksum) and removed since the

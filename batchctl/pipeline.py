@@ -33,7 +33,7 @@ from batchctl.collate import (
     Stopped,
     run_collator,
 )
-from batchctl.errors import check_signalled
+from batchctl.errors import PipelineError, check_signalled
 from batchctl.mpinternals import name_semaphores_after, pool_workers, shut_down_pool
 from batchctl.preprocess import Preprocessor
 from batchctl.processes import mp_context, signals_deferred, signals_ignored, start_forkserver
@@ -47,10 +47,6 @@ from batchctl.workers import BoundedFeed, WorkerSlots, chunked, run_chunk, start
 HEALTH_CHECK_S = 1.0  # how long a blocking wait lasts before the children are checked on
 STOP_WAIT_S = 3.0  # how long a stopping collator may take to write its last batch
 CHUNKS_PER_WORKER = 3  # chunks in flight per worker: enough to keep it busy, few enough to stay small
-
-
-class PipelineError(Exception):
-    """A fatal problem: a child died, the collator failed, too many errors."""
 
 
 @dataclass

@@ -230,6 +230,7 @@ def read_journal(paths: BuildPaths) -> list[dict[str, Any]]:
 
 def _remote_journal(paths: BuildPaths) -> list[str]:
     fs, where = paths.fs, storage.fs_path(paths.journal_url)
+    fs.invalidate_cache(where)  # other processes (the collator, Dask workers) wrote objects since
     names = sorted(fs.ls(where, detail=False)) if fs.exists(where) else []
     return [fs.cat_file(name).decode() for name in names]
 
@@ -253,12 +254,25 @@ def append_journal(paths: BuildPaths, lines: list[dict[str, Any]]) -> None:
         os.fsync(journal.fileno())
 
 
+def append_group_journal(paths: BuildPaths, line: dict[str, Any]) -> None:
+    """Journal one finished Dask group, `{"group", "full", "rows", "files"}` (on an object store,
+    as its own object, named to sort after the shards' objects)."""
+    if paths.remote:
+        where = storage.fs_path(f"{paths.journal_url}/g{line['group'] + 1:08d}.json")
+        paths.fs.pipe_file(where, json.dumps([line]).encode())
+        return
+    append_journal(paths, [line])
+
+
 def rewrite_journal(paths: BuildPaths, lines: list[dict[str, Any]]) -> None:
     """Keep only `lines` (what a resumed build trusts)."""
     if paths.remote:
         fs, where = paths.fs, storage.fs_path(paths.journal_url)
+        fs.invalidate_cache(where)
         done = {line["shard_done"] for line in lines if "shard_done" in line}
-        keep = {journal_key(paths, shard) for shard in done}
+        keep = {journal_key(paths, shard) for shard in done} | {
+            storage.fs_path(f"{paths.journal_url}/g{line['group'] + 1:08d}.json") for line in lines if "group" in line
+        }
         stale = [name for name in (fs.ls(where, detail=False) if fs.exists(where) else []) if name not in keep]
         if stale:
             fs.rm(stale)
@@ -277,6 +291,7 @@ class Journaled:
     batches: list[dict[str, Any]]
     partial: dict[str, Any] | None
     done_shards: int
+    groups: list[dict[str, Any]] = field(default_factory=list)  # --engine dask: the groups it finished
 
     def lines(self) -> list[dict[str, Any]]:
         """The journal of just this, in order."""
@@ -285,7 +300,7 @@ class Journaled:
             out.append(batch)
             if batch["shard"] < self.done_shards and _last_of_shard(batch, self.batches):
                 out.append({"shard_done": batch["shard"]})
-        return out + ([self.partial] if self.partial else [])
+        return out + ([self.partial] if self.partial else []) + self.groups
 
     @property
     def kept(self) -> list[dict[str, Any]]:
@@ -294,8 +309,8 @@ class Journaled:
 
     @property
     def entries(self) -> list[list[Any]]:
-        """The file entries of every kept row, the half-filled batch's included."""
-        return [entry for batch in self.kept for entry in batch["files"]]
+        """The file entries of every kept row, the half-filled batch's and the groups' included."""
+        return [entry for batch in self.kept + self.groups for entry in batch["files"]]
 
 
 def _last_of_shard(batch: dict[str, Any], batches: list[dict[str, Any]]) -> bool:

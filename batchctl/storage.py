@@ -54,8 +54,12 @@ def filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> An
 def _filesystem(protocol: str, options: str) -> Any:
     import fsspec
 
+    kwargs = json.loads(options)
+    # No listing cache: other processes (the collator, Dask workers, a rebuild) add and remove
+    # objects, and a cached listing would hide them (a reader would call a new shard missing).
+    kwargs.setdefault("use_listings_cache", False)
     try:
-        return fsspec.filesystem(protocol, **json.loads(options))
+        return fsspec.filesystem(protocol, **kwargs)
     except ImportError as exc:
         extra = {"s3": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure"}.get(protocol, protocol)
         raise UsageError(

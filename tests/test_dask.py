@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -15,9 +16,11 @@ import pytest
 import batchctl
 from batchctl.dask_engine import plan_compaction
 from batchctl.inspect import verify
+from batchctl.synthetic import make_image_folder
 from tests.test_build import image_files
 
-from .conftest import PLUGINS, free_port, run_cli
+from .conftest import PLUGINS, free_port, kill_group, run_cli, start_cli, wait_for
+from .test_incremental import LAYOUT, assert_same_rows, change_files, new_image, rows_by_key
 
 pytest.importorskip("distributed")
 
@@ -96,6 +99,49 @@ def test_dask_cluster_preprocesses_every_file_exactly_once(
     assert verify(out) == []
     again = run_cli("build", source, "-o", out, *PID_IMAGES, "--engine", "dask", "--scheduler", address)
     assert again.returncode == 0 and "up to date" in again.stderr
+
+
+def test_dask_reruns_incrementally_and_resumes_an_interrupted_run(
+    tmp_path: Path, cluster: tuple[str, list[int]]
+) -> None:
+    address, _ = cluster
+    folder = tmp_path / "data"
+    make_image_folder(folder, 40, sides=(60, 120))
+    slow = ["--preprocess", f"{PLUGINS}:slow_image", "--option", "delay=0.1", *LAYOUT]
+    dask = ["--engine", "dask", "--scheduler", address]
+    out = tmp_path / "dask.zarr"
+
+    def fresh_rows(name: str) -> dict:
+        assert run_cli("build", folder, "-o", tmp_path / name, *slow).returncode == 0
+        return rows_by_key(tmp_path / name)
+
+    assert run_cli("build", folder, "-o", out, *slow, *dask).returncode == 0
+    changed = change_files(folder, 0)
+    report = tmp_path / "r.json"
+    result = run_cli("build", folder, "-o", out, *slow, *dask, "--report", report)
+    assert result.returncode == 0, result.stderr
+    data = json.loads(report.read_text())
+    assert data["processed"] == len(changed["added"]) + len(changed["changed"])
+    assert data["removed"]["paths"] == changed["removed"]
+    assert_same_rows(rows_by_key(out), fresh_rows("fresh0.zarr"))
+
+    change_files(folder, 1)
+    for i in range(16):
+        new_image(tmp_path, folder / "fish" / f"new{i}.jpg", 70 + i)
+    journal = tmp_path / ".dask.zarr.batchctl" / "journal.jsonl"
+    proc = start_cli("build", folder, "-o", out, *slow, *dask)
+    wait_for(lambda: journal.exists() and '"group": 0' in journal.read_text(), timeout=60)
+    kill_group(proc, signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    result = run_cli("build", folder, "-o", out, *slow, *dask, "--report", report)
+    assert result.returncode == 0, result.stderr
+    data = json.loads(report.read_text())
+    assert data["resumed_samples"] >= 8 and data["added"]["count"] == 19
+    assert data["processed"] <= 19 + 2 - 8  # the finished group's files were not preprocessed again
+    assert_same_rows(rows_by_key(out), fresh_rows("fresh1.zarr"))
+    assert verify(out) == []
 
 
 @pytest.mark.parametrize(

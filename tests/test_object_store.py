@@ -19,9 +19,11 @@ import pytest
 
 import batchctl
 from batchctl.inspect import verify
+from batchctl.synthetic import make_image_folder
 from tests.test_build import image_files
 
 from .conftest import PLUGINS, free_port, kill_group, run_cli, start_cli, wait_for, wait_group_gone
+from .test_incremental import LAYOUT, assert_same_rows, change_files, new_image, rows_by_key
 
 s3fs = pytest.importorskip("s3fs")
 pytest.importorskip("moto")
@@ -184,3 +186,47 @@ def test_source_on_s3_builds_the_same_rows_as_the_local_folder(
 
     again = run_cli("build", f"s3://{bucket}/raw/", "-o", remote, "--workers", "2")
     assert again.returncode == 0 and "up to date" in again.stderr
+
+
+def test_incremental_rounds_on_s3_and_an_interrupted_one_resumes(bucket: str, s3_endpoint: str, tmp_path: Path) -> None:
+    folder = tmp_path / "data"
+    make_image_folder(folder, 40, sides=(60, 120))
+    slow = ["--preprocess", f"{PLUGINS}:slow_image", "--option", "delay=0.1", *LAYOUT]
+    url, report = f"s3://{bucket}/inc.zarr", tmp_path / "r.json"
+    fs = _fs(s3_endpoint)
+
+    def fresh_rows(name: str) -> dict:
+        assert run_cli("build", folder, "-o", tmp_path / name, *slow).returncode == 0
+        return rows_by_key(tmp_path / name)
+
+    assert run_cli("build", folder, "-o", url, *slow).returncode == 0
+    for round_ in range(2):
+        changed = change_files(folder, round_)
+        result = run_cli("build", folder, "-o", url, *slow, "--report", report)
+        assert result.returncode == 0, result.stderr
+        data = json.loads(report.read_text())
+        assert data["added"] is not None, result.stderr
+        assert {key: data[key]["paths"] for key in ("added", "changed", "removed")} == changed
+        assert data["processed"] == len(changed["added"]) + len(changed["changed"])
+        assert_same_rows(rows_by_key(url), fresh_rows(f"fresh{round_}.zarr"))
+        assert verify(url) == []
+
+    for i in range(16):
+        new_image(tmp_path, folder / "cat" / f"new{i}.jpg", 40 + i)
+    journal = f"{bucket}/.inc.zarr.batchctl/journal"
+
+    def new_shards_journaled() -> bool:
+        fs.invalidate_cache()
+        return fs.exists(journal) and len(fs.ls(journal)) >= 3  # the kept shards' object, then two new shards
+
+    proc = start_cli("build", folder, "-o", url, *slow)
+    wait_for(new_shards_journaled)
+    kill_group(proc, signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 143, stderr
+    result = run_cli("build", folder, "-o", url, *slow, "--report", report)
+    assert result.returncode == 0, result.stderr
+    data = json.loads(report.read_text())
+    assert data["resumed_samples"] >= 8 and data["added"]["count"] == 16 and data["processed"] <= 16 - 8
+    assert_same_rows(rows_by_key(url), fresh_rows("fresh2.zarr"))
+    assert verify(url) == []
