@@ -282,6 +282,55 @@ def bench_tiny(root: Path, count: int, results: dict[str, Any]) -> None:
     }
 
 
+def bench_incremental(root: Path, count: int, results: dict[str, Any]) -> None:
+    """A rerun after 1% of the files were added (then removed, then changed), against the full
+    build of the same folder and against start-up (a build of 10 small images), side by side."""
+    src = root / "grow"
+    make_image_folder(src, count, sides=(300, 900), seed=1)
+    tiny = root / "ten"
+    make_image_folder(tiny, 10, sides=(64, 96), seed=2)
+    out = root / "grow.zarr"
+
+    def build(folder: Path, target: Path) -> tuple[float, dict[str, Any]]:
+        report = root / "incremental-report.json"
+        cmd = [sys.executable, "-m", "batchctl", "build", str(folder), "-o", str(target), "--quiet"]
+        elapsed, _, _ = run_measured([*cmd, "--workers", str(CORES), "--report", str(report)])
+        return elapsed, json.loads(report.read_text())
+
+    startup, _ = build(tiny, root / "ten.zarr")
+    full, _ = build(src, out)
+    files = sorted(p for p in src.rglob("*") if p.is_file())
+    step = max(1, count // 100)
+    rows: list[dict[str, Any]] = []
+    added = []
+    for i, path in enumerate(files[:step]):  # 1% new files (the same pictures under new names)
+        target = path.with_name(f"new{i}_{path.name}")
+        shutil.copyfile(path, target)
+        added.append(target)
+    for change, act in (
+        ("add 1%", lambda: None),
+        ("remove 1%", lambda: [p.unlink() for p in files[step : 2 * step]]),
+        ("change 1%", lambda: [os.utime(p, ns=(p.stat().st_atime_ns, time.time_ns())) for p in files[-step:]]),
+    ):
+        act()
+        elapsed, report = build(src, out)
+        rows.append(
+            {
+                "change": change,
+                "seconds": round(elapsed, 2),
+                "processed": report["processed"],
+                "kept_samples": report["kept_samples"],
+                "over_startup_of_full": round((elapsed - startup) / full, 4),
+            }
+        )
+    results["incremental"] = {
+        "files": count,
+        "full_build_s": round(full, 2),
+        "startup_s": round(startup, 2),
+        "reruns": rows,
+    }
+
+
 def split_file_speedup(root: Path, name: str, make: Any, size: int, args: tuple[str, ...], unit: int) -> dict[str, Any]:
     """One big file built with 1 and W workers: samples/s end to end, and the speedup net of the
     ~1 s start-up, measured with a file of the same kind 1/1000 the size (a 2-core build of a
@@ -361,7 +410,9 @@ def main() -> None:
     parser.add_argument("--tiny", type=int, default=20000)
     parser.add_argument("--rows", type=int, default=400_000)
     parser.add_argument("--audio-seconds", type=int, default=3600)
-    parser.add_argument("--only", choices=["images", "tiny", "big_npy", "big_audio", "read"], action="append")
+    parser.add_argument(
+        "--only", choices=["images", "tiny", "incremental", "big_npy", "big_audio", "read"], action="append"
+    )
     args = parser.parse_args()
     results: dict[str, Any] = {
         "machine": f"{platform.processor() or platform.machine()}, {CORES} cores, Python {platform.python_version()}",
@@ -369,11 +420,13 @@ def main() -> None:
     }
     with tempfile.TemporaryDirectory(prefix="batchctl-bench-") as tmp:
         root = Path(tmp)
-        todo = args.only or ["images", "tiny", "big_npy", "big_audio", "read"]
+        todo = args.only or ["images", "tiny", "incremental", "big_npy", "big_audio", "read"]
         if "images" in todo:
             bench_images(root, args.images, results)
         if "tiny" in todo:
             bench_tiny(root, args.tiny, results)
+        if "incremental" in todo:
+            bench_incremental(root, args.images, results)
         if "big_npy" in todo:
             bench_big_npy(root, args.rows, results)
         if "big_audio" in todo:
