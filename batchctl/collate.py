@@ -293,7 +293,7 @@ class Collator:
         whole and in sample order once its last old shard is read. Ends early when `stopping`."""
         group = zarr.open_group(carry.url, mode="r", **storage.zarr_options(carry.url, carry.storage_options))
         assert self.schema is not None
-        old = {name: arr for name, arr in fmt.open_arrays(group).items() if name in self.schema}
+        old = fmt.RowReader(carry.url, {n: a for n, a in fmt.open_arrays(group).items() if n in self.schema})
         last_run = {run.key: i for i, run in enumerate(carry.runs)}
         pending: dict[PathKey, list[tuple[CarryRun, dict[str, np.ndarray]]]] = {}
         number = 0
@@ -303,7 +303,7 @@ class Collator:
             shard_runs = list(runs)
             start = shard * carry.shard_rows
             end = start + max(run.start + run.rows for run in shard_runs)
-            rows = {name: np.asarray(arr[start:end]) for name, arr in old.items()}
+            rows = {name: old.rows(name, start, end) for name in old.arrays}
             ready: list[PathKey] = []
             for run in shard_runs:
                 piece = {name: column[run.start : run.start + run.rows] for name, column in rows.items()}
@@ -313,6 +313,7 @@ class Collator:
                 number += 1
             if ready:
                 self.add(_carried(ready, pending))
+        old.close()
 
     def _write_batch(self) -> None:
         """Write the full batch; a shard whose last batch this was gets its index."""

@@ -310,12 +310,13 @@ class DaskRun:
     def _write_carry(self, carry: Carry, schema: Mapping[str, fmt.FieldSpec]) -> dict[str, Any]:
         """The rows carried over from the last build, as one spill (group -1), journaled."""
         old = zarr.open_group(carry.url, mode="r", **storage.zarr_options(carry.url, carry.storage_options))
-        arrays = {name: arr for name, arr in fmt.open_arrays(old).items() if name in schema}
+        reader = fmt.RowReader(carry.url, {n: a for n, a in fmt.open_arrays(old).items() if n in schema})
         pieces: dict[str, list[np.ndarray]] = {name: [] for name in schema}
         for run in carry.runs:
             start = run.shard * carry.shard_rows + run.start
-            for name, arr in arrays.items():
-                pieces[name].append(np.asarray(arr[start : start + run.rows]))
+            for name in schema:
+                pieces[name].append(reader.rows(name, start, start + run.rows))
+        reader.close()
         columns = {name: np.concatenate(parts) for name, parts in pieces.items()}
         columns[fmt.SOURCE] = np.array([run.item.relpath for run in carry.runs for _ in range(run.rows)], dtype=object)
         columns[fmt.SOURCE_INDEX] = np.concatenate([np.arange(run.index, run.index + run.rows) for run in carry.runs])
