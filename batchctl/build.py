@@ -258,9 +258,7 @@ class _Builder:
         retry = {error.source for error in self.report.errors if error.retry}
         if retry:  # files lost with their worker: the next run must not find this dataset up to date
             fingerprint = discovery.fingerprint([self.spec, discovery.classes], leave_out=retry, digests=self.digests)
-        record = self._record(discovery, finished)
-        self._publish(discovery, fingerprint, finished)
-        incremental.write_record(self.output, record, self.options.storage_options)
+        self._publish(discovery, fingerprint, finished, self._record(discovery, finished))
         self.report.samples = finished.samples
         self.report.batches = fmt.num_batches(finished.samples, self.options.batch_size)
         self.report.shards = finished.shards
@@ -326,7 +324,7 @@ class _Builder:
         if self.options.force:
             self.progress.info("building everything (--force)")
             return None
-        record = incremental.read_record(self.output, self.options.storage_options)
+        record = incremental.read_record(self.paths.record_url, self.options.storage_options)
         if record is None or not attrs.build_id or record.build_id != attrs.build_id:
             self.progress.info("building everything: no record of which file each row of OUTPUT came from")
             return None
@@ -378,7 +376,12 @@ class _Builder:
             staging.append_journal(self.paths, lines)
         state = self._state(
             discovery,
-            incremental={"build_id": record.build_id, "carry_from": carry_from, "kept_samples": plan.kept_samples},
+            incremental={
+                "build_id": record.build_id,
+                "carry_from": carry_from,
+                "kept_shards": len(plan.kept_shards),
+                "kept_samples": plan.kept_samples,
+            },
         )
         staging.write_state(self.paths, state)
         return state
@@ -415,7 +418,7 @@ class _Builder:
             staging.rewrite_journal(self.paths, kept.lines())
         self.resume_point = ResumePoint(kept.batches, kept.partial, kept.done_shards)
         self.kept_groups = kept.groups
-        self.report.resumed_shards = kept.done_shards
+        self.report.resumed_shards = kept.done_shards - (seeded or {}).get("kept_shards", 0)
         kept_samples = sum(int(entry[1]) for entry in kept.entries)
         self.report.resumed_samples = kept_samples - (seeded or {}).get("kept_samples", 0)
         self.resumed_batches = len(kept.batches)
@@ -427,7 +430,7 @@ class _Builder:
         self, discovery: Discovery, seeded: Mapping[str, Any], written: Mapping[tuple[str, int], list[Any]]
     ) -> incremental.Plan | None:
         """An incremental build's plan, and what of its carry is still to do."""
-        record = incremental.read_record(self.output, self.options.storage_options)
+        record = incremental.read_record(self.paths.record_url, self.options.storage_options)
         if record is None or record.build_id != seeded.get("build_id"):
             self.progress.info("the record of the last build is gone; starting over")
             return None
@@ -629,11 +632,11 @@ class _Builder:
             skipped=[[error.source, error.error] for error in self.report.errors[: fmt.MAX_SKIPPED_LISTED]],
         )
 
-    def _publish(self, discovery: Discovery, fingerprint: str, finished: Finished) -> None:
-        """Mark the staging dataset complete (its last write), then move it into place."""
+    def _publish(self, discovery: Discovery, fingerprint: str, finished: Finished, record: incremental.Record) -> None:
+        """Mark the staging dataset complete (its last write), then move it and its record into place."""
         group = zarr.open_group(self.paths.staging_url, mode="r+", **self.paths.zarr_kwargs())
         fmt.write_attrs(group, self._attrs(discovery, fingerprint, finished))
-        staging.move_into_place(self.paths)
+        staging.move_into_place(self.paths, incremental.record_bytes(record))
 
     def _end(self, status: Any, message: str = "") -> BuildReport:
         self.progress.close()

@@ -18,7 +18,6 @@ journaled as finished shards, so an interrupted incremental run resumes like any
 from __future__ import annotations
 
 import json
-import os
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -57,14 +56,8 @@ class Record:
         return {entry[0]: (int(entry[3]), int(entry[4])) for batch in self.batches for entry in batch["files"]}
 
 
-def record_path(paths_url: str) -> str:
-    """Where the record of OUTPUT `paths_url` lives: beside it, hidden (never an input)."""
-    parent, name = storage.parent_and_name(paths_url) if storage.is_url(paths_url) else os.path.split(paths_url)
-    return f"{parent}/.{name}.batchctl.record"
-
-
-def write_record(url: str, record: Record, storage_options: Mapping[str, Any]) -> None:
-    """Replace the record in one step (a rename, or one PUT): it is whole or not there."""
+def record_bytes(record: Record) -> bytes:
+    """The record as written beside OUTPUT: a header line, then one line per batch."""
     header = {
         "record": RECORD_VERSION,
         "build_id": record.build_id,
@@ -79,26 +72,15 @@ def write_record(url: str, record: Record, storage_options: Mapping[str, Any]) -
         "digests": record.digests,
     }
     lines = [json.dumps(header)] + [json.dumps(_batch_line(batch)) for batch in record.batches]
-    data = ("\n".join(lines) + "\n").encode()
-    where = record_path(url)
-    if storage.is_url(where):
-        storage.filesystem(where, storage_options).pipe_file(storage.fs_path(where), data)
-        return
-    tmp = Path(where + ".tmp")
-    with open(tmp, "wb") as file:
-        file.write(data)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(tmp, where)
+    return ("\n".join(lines) + "\n").encode()
 
 
 def _batch_line(batch: Mapping[str, Any]) -> dict[str, Any]:
     return {"batch": batch["batch"], "shard": batch["shard"], "rows": batch["rows"], "files": batch["files"]}
 
 
-def read_record(url: str, storage_options: Mapping[str, Any]) -> Record | None:
-    """The record of OUTPUT `url`, or None when there is none or it cannot be read whole."""
-    where = record_path(url)
+def read_record(where: str, storage_options: Mapping[str, Any]) -> Record | None:
+    """The record at `where`, or None when there is none or it cannot be read whole."""
     try:
         if storage.is_url(where):
             raw = storage.filesystem(where, storage_options).cat_file(storage.fs_path(where))

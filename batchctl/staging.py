@@ -79,6 +79,12 @@ class BuildPaths:
         return self.workdir / "state.json"
 
     @property
+    def record_url(self) -> str:
+        """The record of the published dataset (which file each row came from): beside OUTPUT."""
+        parent, name = storage.parent_and_name(self.url) if self.remote else (str(self.output.parent), self.output.name)
+        return f"{parent}/.{name}.batchctl.record"
+
+    @property
     def local_dir(self) -> Path:
         """Where the lock lives: beside OUTPUT, or in the user's cache for a URL."""
         if not self.remote:
@@ -372,23 +378,32 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()), str(b))
 
 
-def move_into_place(paths: BuildPaths) -> None:
-    """Publish the staging dataset at OUTPUT, then drop the work folder (and any old dataset).
+def move_into_place(paths: BuildPaths, record: bytes) -> None:
+    """Publish the staging dataset at OUTPUT and its `record`, then drop the work folder (and any
+    old dataset).
 
-    SIGINT/SIGTERM wait until the dataset is in place and the work folder can no longer be taken
-    for an interrupted build (its state file is gone): stopping half-way through these few
-    renames would leave both in doubt. Deleting the old dataset may be interrupted freely.
-    A URL OUTPUT was written in place and is complete already: only its work objects go.
+    SIGINT/SIGTERM wait until the dataset and its record are in place and the work folder can no
+    longer be taken for an interrupted build (its state file is gone): stopping half-way through
+    these few renames would leave them in doubt. Deleting the old dataset may be interrupted freely.
+    A URL OUTPUT was written in place and is complete already: its record is sent, its work objects go.
     """
     if paths.remote:
+        with signals_ignored():
+            paths.fs.pipe_file(storage.fs_path(paths.record_url), record)
         discard(paths)
         return
+    staged = paths.workdir / "record"
+    with open(staged, "wb") as file:
+        file.write(record)
+        file.flush()
+        os.fsync(file.fileno())
     with signals_ignored():
         if not paths.output.exists():
             os.rename(paths.staging, paths.output)
         elif not _exchange(paths.staging, paths.output):
             os.rename(paths.output, paths.workdir / "replaced.zarr")
             os.rename(paths.staging, paths.output)
+        os.replace(staged, paths.record_url)
         _fsync_dir(paths.output.parent)
         paths.state.unlink(missing_ok=True)
     discard(paths)
