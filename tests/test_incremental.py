@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +19,7 @@ from batchctl.inspect import verify
 from batchctl.synthetic import make_image_folder, photo
 
 from .conftest import PLUGINS, kill_group, run_cli, start_cli, wait_for, wait_group_gone
+from .stress import expected_codes, run_trial
 
 LAYOUT = ["--batch-size", "4", "--shard-batches", "2", "--workers", "2"]
 SMALL = ["--resize", "32", "--crop", "32", *LAYOUT]
@@ -195,3 +198,40 @@ def test_a_skipped_file_is_not_tried_again_until_it_changes(folder: Path, tmp_pa
     bad.write_bytes(b"still not an image, but changed")
     third = build(folder, out)
     assert third["changed"]["paths"] == ["fish/broken.jpg"] and third["processed"] == 1
+
+
+def test_signals_at_random_moments_of_incremental_runs(folder: Path, tmp_path: Path) -> None:
+    """Eight incremental runs, each stopped by SIGINT or SIGTERM (to the parent or the group) at a
+    random moment from its first second to past its publish: each exits as a user expects with
+    nothing left behind, OUTPUT stays a complete dataset, and the next run ends with exactly a
+    fresh build's rows."""
+    out = tmp_path / "data.zarr"
+    plugin = ["--preprocess", f"{PLUGINS}:slow_image", *LAYOUT]
+    slow = [*plugin, "--option", "delay=0.2"]
+
+    def more_changes(round_: int) -> None:
+        change_files(folder, round_)
+        for i in range(6):
+            new_image(tmp_path, folder / "fish" / f"more{round_}-{i}.jpg", 1000 * round_ + i)
+
+    assert run_cli("build", folder, "-o", out, *slow).returncode == 0
+    more_changes(0)
+    started = time.monotonic()
+    assert run_cli("build", folder, "-o", out, *slow).returncode == 0
+    run_s = time.monotonic() - started
+    rng = random.Random(23)
+    failures = []
+    for n in range(8):
+        more_changes(n + 1)
+        sig = (signal.SIGINT, signal.SIGTERM)[n % 2]
+        delay = rng.uniform(0, 1) if n % 3 == 0 else rng.uniform(1, run_s * 1.1)
+        trial = run_trial(["build", str(folder), *slow, "-q"], out, sig, ("parent", "group")[(n // 2) % 2], delay)
+        if trial.code not in expected_codes(sig) or trial.traceback or trial.orphans or trial.leaked:
+            failures.append(trial.line() + "\n" + trial.stderr[-500:])
+        assert batchctl.open(out).num_samples > 0  # the old version or the new one, complete
+        assert run_cli("build", folder, "-o", out, *slow).returncode == 0
+        fresh = tmp_path / f"fresh{n}.zarr"
+        assert run_cli("build", folder, "-o", fresh, *plugin, "--option", "delay=0").returncode == 0
+        assert_same_rows(rows_by_key(out), rows_by_key(fresh))
+        shutil.rmtree(fresh)
+    assert failures == []
