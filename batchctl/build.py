@@ -12,14 +12,10 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import zarr
-
-from batchctl import format as fmt
 from batchctl import incremental, staging, storage
-from batchctl.collate import Carry, CollatorConfig, Finished, Rejected, ResumePoint
+from batchctl import metadata as meta
 from batchctl.discover import Discovery, discover, hash_files
 from batchctl.errors import (
     BuildFailed,
@@ -35,14 +31,27 @@ from batchctl.errors import (
 )
 from batchctl.pipeline import Pipeline, PipelineConfig
 from batchctl.preprocess import Preprocessor, resolve
-from batchctl.processes import signals_raise, sweep_dead_builds
+from batchctl.processes import signals_raise, start_forkserver, sweep_dead_builds
 from batchctl.progress import Progress
-from batchctl.records import Task, TaskResult, WorkItem, describe_error
+from batchctl.records import (
+    Finished,
+    Rejected,
+    Task,
+    TaskResult,
+    WorkItem,
+    describe_error,
+)
 from batchctl.report import BuildReport, Changes, FileError
-from batchctl.shards import read_chunk
 from batchctl.staging import BuildLock, BuildPaths
 from batchctl.storage import SourceRoot
 from batchctl.version import __version__
+from batchctl.writeplan import Carry, CollatorConfig, ResumePoint
+
+if TYPE_CHECKING:
+    import zarr
+
+# The Zarr stack (zarr, batchctl.format) is imported by the methods that touch the arrays, not
+# here: a rerun that finds OUTPUT up to date never loads it (it reads `zarr.json` as JSON).
 
 PART_BYTES = 16 * 2**20  # big files are split into parts of about this much input
 
@@ -86,7 +95,7 @@ class BuildOptions:
         if self.scheduler and self.engine != "dask":
             raise UsageError("--scheduler needs --engine dask.")
         try:
-            fmt.parse_compression(self.compression)
+            meta.parse_compression(self.compression)
         except FormatError as exc:
             raise UsageError(str(exc)) from None
 
@@ -99,7 +108,7 @@ def _positive(name: str, value: int) -> None:
 def dataset_spec(options: BuildOptions, preprocessor: Preprocessor, pp_options: Mapping[str, Any]) -> dict[str, Any]:
     """The options that decide what the dataset holds: a change to any of them means a rebuild."""
     return {
-        "format_version": fmt.FORMAT_VERSION,
+        "format_version": meta.FORMAT_VERSION,
         "batch_size": options.batch_size,
         "shard_batches": options.shard_batches,
         "compression": options.compression,
@@ -180,6 +189,8 @@ class _Builder:
         fingerprint = discovery.fingerprint([self.spec, discovery.classes], digests=self.digests)
         if not self.options.force and self._up_to_date(fingerprint):
             return self._end("up_to_date")
+        if self.options.engine == "local":
+            start_forkserver()  # there is work: its preloads (zarr for the collator) run alongside our planning
         if not discovery.items:
             raise BuildFailed(
                 f"nothing to build: no file under {self.source} is taken by the {self.preprocessor.name!r} "
@@ -207,7 +218,7 @@ class _Builder:
                 shard_batches=self.options.shard_batches,
                 compression=self.options.compression,
                 labelled=discovery.classes is not None,
-                source_bytes=fmt.source_width(item.relpath for item in discovery.items),
+                source_bytes=meta.source_width(item.relpath for item in discovery.items),
                 resume=self.resume_point,
                 carry=self.carry,
             ),
@@ -233,7 +244,7 @@ class _Builder:
             workers=self.options.workers,
             scheduler=self.options.scheduler,
             labelled=discovery.classes is not None,
-            source_bytes=fmt.source_width(item.relpath for item in discovery.items),
+            source_bytes=meta.source_width(item.relpath for item in discovery.items),
             on_result=self._on_dask_result,
             on_batches=self.progress.batches_written,
             base=self.resume_point.done_shards,
@@ -260,17 +271,14 @@ class _Builder:
             fingerprint = discovery.fingerprint([self.spec, discovery.classes], leave_out=retry, digests=self.digests)
         self._publish(discovery, fingerprint, finished, self._record(discovery, finished))
         self.report.samples = finished.samples
-        self.report.batches = fmt.num_batches(finished.samples, self.options.batch_size)
+        self.report.batches = meta.num_batches(finished.samples, self.options.batch_size)
         self.report.shards = finished.shards
         self.report.bytes = storage.tree_bytes(self.output, self.options.storage_options)
         return self._end("complete")
 
     def _up_to_date(self, fingerprint: str) -> bool:
-        try:
-            _, attrs = fmt.open_group(self.output, storage_options=self.options.storage_options)
-        except Exception:  # noqa: BLE001 - anything unreadable is simply not up to date
-            return False
-        if attrs.fingerprint != fingerprint:
+        attrs = meta.read_dataset_attrs(self.output, self.options.storage_options)
+        if attrs is None or not attrs.complete or attrs.fingerprint != fingerprint:
             return False
         self.report.samples, self.report.batches, self.report.shards = (
             attrs.num_samples,
@@ -283,6 +291,10 @@ class _Builder:
     def _plan(self, discovery: Discovery) -> list[Task]:
         """Resume an interrupted build of the same options, else build on the last complete build
         (incrementally), else start a fresh staging dataset."""
+        import zarr
+
+        from batchctl import format as fmt
+
         state = staging.read_state(self.paths)
         if state is not None and self.options.resume:
             if state.get("spec") != self.spec or state.get("source") != str(self.source):
@@ -315,9 +327,8 @@ class _Builder:
     def _incremental_plan(self, discovery: Discovery) -> tuple[incremental.Plan, incremental.Record] | None:
         """How to build on the complete dataset at OUTPUT, or None (and why, in one line) when
         everything must be built."""
-        try:
-            _, attrs = fmt.open_group(self.output, storage_options=self.options.storage_options)
-        except Exception:  # noqa: BLE001 - nothing there (or nothing usable): a first build
+        attrs = meta.read_dataset_attrs(self.output, self.options.storage_options)
+        if attrs is None or not attrs.complete:
             if storage.is_url(self.output) or self.paths.output.exists():
                 self.progress.info("building everything: OUTPUT holds no complete dataset of this batchctl")
             return None
@@ -345,6 +356,10 @@ class _Builder:
         arrays (empty), its kept shards renumbered 0..K-1 and journaled as finished. Returns the
         state, written last: a seeding cut short is simply done again (or, on an object store,
         where it moves shards in place, the next run builds everything)."""
+        import zarr
+
+        from batchctl import format as fmt
+
         fs, root = storage.locate(self.output, self.options.storage_options)
         carry_from = self.output
         if self.paths.remote:
@@ -450,6 +465,10 @@ class _Builder:
         within their shard files (the journal is written after its data is fsynced, so this only
         cuts what a damaged disk lost), and a half-filled batch that still decodes. Shard files
         past the last kept batch's shard are deleted."""
+        import zarr
+
+        from batchctl import format as fmt
+
         group = zarr.open_group(self.paths.staging_url, mode="r+", **self.paths.zarr_kwargs())
         arrays = fmt.open_arrays(group)
         if not arrays:
@@ -482,10 +501,14 @@ class _Builder:
     def _journaled_groups(self) -> staging.Journaled:
         """What an interrupted Dask build journaled: the shards kept from the last build (finished
         shards) and the groups it finished whose shard or spill object is really there."""
+        import zarr
+
+        from batchctl import format as fmt
+
         lines = staging.read_journal(self.paths)
         seeded = staging.resolve_journal(lines, self.options.batch_size)
         group = zarr.open_group(self.paths.staging_url, mode="r", **self.paths.zarr_kwargs())
-        source = fmt.open_arrays(group).get(fmt.SOURCE)
+        source = fmt.open_arrays(group).get(meta.SOURCE)
         fs, root = storage.locate(self.paths.staging_url, self.paths.storage_options)
 
         def present(line: dict[str, Any]) -> bool:
@@ -501,6 +524,9 @@ class _Builder:
 
     def _decodes(self, arrays: Mapping[str, zarr.Array], partial: dict[str, Any]) -> bool:
         """The half-filled batch reads back whole from its shard files (local OUTPUT only)."""
+        from batchctl import format as fmt
+        from batchctl.shards import read_chunk
+
         if self.paths.remote:
             return False
         try:
@@ -543,6 +569,10 @@ class _Builder:
     def _record(self, discovery: Discovery, finished: Finished) -> incremental.Record:
         """The record of the dataset being published: its journal's batches (every row's file);
         for a Dask build, whose rows the client moved about, read from its `source` columns."""
+        import zarr
+
+        from batchctl import format as fmt
+
         stamps = {item.relpath: item for item in discovery.items}
         if self.options.engine == "local":
             batches = staging.resolve_journal(staging.read_journal(self.paths), self.options.batch_size).batches
@@ -561,7 +591,7 @@ class _Builder:
             classes=discovery.classes,
             batch_size=self.options.batch_size,
             shard_batches=finished.shard_batches,
-            source_width=int(fmt.open_arrays(group)[fmt.SOURCE].shape[1]),
+            source_width=int(fmt.open_arrays(group)[meta.SOURCE].shape[1]),
             checksum=self.options.checksum,
             batches=[{key: batch[key] for key in ("batch", "shard", "rows", "files")} for batch in batches],
             skipped=skipped,
@@ -571,11 +601,16 @@ class _Builder:
     def _batches_from_columns(self, stamps: Mapping[str, WorkItem]) -> list[dict[str, Any]]:
         """Journal-like batch lines of the staging dataset, from its `source` and `source_index`:
         one entry per run of consecutive samples of one file within a batch."""
+        import numpy as np
+        import zarr
+
+        from batchctl import format as fmt
+
         group = zarr.open_group(self.paths.staging_url, mode="r", **self.paths.zarr_kwargs())
         arrays = fmt.open_arrays(group)
-        sources = fmt.decode_sources(np.asarray(arrays[fmt.SOURCE][:])).tolist()
-        indices = np.asarray(arrays[fmt.SOURCE_INDEX][:]).tolist()
-        size, shard_rows = self.options.batch_size, int(arrays[fmt.SOURCE].shards[0])  # type: ignore[index]
+        sources = fmt.decode_sources(np.asarray(arrays[meta.SOURCE][:])).tolist()
+        indices = np.asarray(arrays[meta.SOURCE_INDEX][:]).tolist()
+        size, shard_rows = self.options.batch_size, int(arrays[meta.SOURCE].shards[0])  # type: ignore[index]
         batches = []
         for number, start in enumerate(range(0, len(sources), size)):
             files: list[list[Any]] = []
@@ -607,11 +642,13 @@ class _Builder:
         if limit is not None and len(self.report.errors) > limit:
             raise BuildFailed(f"more than {limit} files were skipped with errors (--max-errors {limit})", self.report)
 
-    def _attrs(self, discovery: Discovery, fingerprint: str = "", finished: Finished | None = None) -> fmt.DatasetAttrs:
+    def _attrs(
+        self, discovery: Discovery, fingerprint: str = "", finished: Finished | None = None
+    ) -> meta.DatasetAttrs:
         """The group attributes: of a complete dataset once the collator `finished`, else of the
         staging dataset, `complete` false."""
         samples = finished.samples if finished else 0
-        return fmt.DatasetAttrs(
+        return meta.DatasetAttrs(
             batch_size=self.options.batch_size,
             shard_batches=finished.shard_batches if finished else self.options.shard_batches or 0,
             fields=finished.schema if finished else {},
@@ -625,15 +662,19 @@ class _Builder:
             build_id=self.build_id,
             complete=finished is not None,
             num_samples=samples,
-            num_batches=fmt.num_batches(samples, self.options.batch_size),
+            num_batches=meta.num_batches(samples, self.options.batch_size),
             num_shards=finished.shards if finished else 0,
             errors=len(self.report.errors),
             ignored=discovery.ignored,
-            skipped=[[error.source, error.error] for error in self.report.errors[: fmt.MAX_SKIPPED_LISTED]],
+            skipped=[[error.source, error.error] for error in self.report.errors[: meta.MAX_SKIPPED_LISTED]],
         )
 
     def _publish(self, discovery: Discovery, fingerprint: str, finished: Finished, record: incremental.Record) -> None:
         """Mark the staging dataset complete (its last write), then move it and its record into place."""
+        import zarr
+
+        from batchctl import format as fmt
+
         group = zarr.open_group(self.paths.staging_url, mode="r+", **self.paths.zarr_kwargs())
         fmt.write_attrs(group, self._attrs(discovery, fingerprint, finished))
         staging.move_into_place(self.paths, incremental.record_bytes(record))
@@ -666,6 +707,10 @@ def _mismatch_text(state: Mapping[str, Any], spec: Mapping[str, Any], source: st
 def _copy_dataset_shards(fs: Any, root: str, dest: str, group: zarr.Group | None, shards: list[int]) -> None:
     """Copy the metadata of the dataset at `root` (the group's and every array's `zarr.json`) and
     the files of `shards` to `dest`: a dataset that reads those shards as the original did."""
+    import zarr
+
+    from batchctl import format as fmt
+
     old = group if group is not None else zarr.open_group(root, mode="r")
     arrays = fmt.open_arrays(old)
     fs.makedirs(dest, exist_ok=True)
@@ -679,6 +724,8 @@ def _copy_dataset_shards(fs: Any, root: str, dest: str, group: zarr.Group | None
 
 def _copy_shard(fs: Any, arrays: Mapping[str, zarr.Array], src: str, old: int, dest: str, new: int) -> None:
     """Copy shard `old` of every array to shard `new` (server-side on an object store)."""
+    from batchctl import format as fmt
+
     for arr in arrays.values():
         target = dest + fmt.shard_key(arr, new)
         fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)

@@ -25,7 +25,6 @@ from batchctl.errors import (
     signal_handled,
     signalled_in,
 )
-from batchctl.processes import start_forkserver
 from batchctl.progress import ConsoleProgress
 from batchctl.report import BuildReport, count_of
 from batchctl.storage import parse_storage_options
@@ -199,8 +198,6 @@ def build(
         }
         pp_options.update({name: value for name, value in named.items() if value is not None})
         options["preprocess_options"] = pp_options
-        if engine == "local":
-            start_forkserver()  # now, so its imports run alongside ours (zarr, the build)
         from batchctl.build import build as run_build
 
         check_signalled()  # one that came during those imports, should a library have swallowed it

@@ -15,7 +15,7 @@ import os
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import groupby
@@ -28,13 +28,25 @@ import zarr
 
 from batchctl import format as fmt
 from batchctl import shards, staging, storage
-from batchctl.incremental import CarryRun, PathKey
 from batchctl.mpinternals import queue_reader
 from batchctl.preprocess import Sample
 from batchctl.processes import init_child
-from batchctl.records import Task, TaskOutput, describe_error
+from batchctl.records import (
+    BatchWritten,
+    CarryRun,
+    Crashed,
+    End,
+    Event,
+    Finished,
+    PathKey,
+    Rejected,
+    Stopped,
+    Task,
+    TaskOutput,
+    describe_error,
+)
 from batchctl.ring import InRing, SampleRing
-from batchctl.staging import BuildPaths
+from batchctl.writeplan import Carry, CollatorConfig
 
 SYNC_S = 1.0  # batches are journaled (their shard files fsynced first) at most this long after being written
 # Threads that encode and write batches (zstd, blosc, crc32c and pwritev release the GIL). The
@@ -43,79 +55,6 @@ SYNC_S = 1.0  # batches are journaled (their shard files fsynced first) at most 
 WRITE_THREADS = 8
 BATCHES_IN_FLIGHT = 6  # batch buffers being encoded or written, at most (memory: a few batches)
 WRITE_SLICE = 2**20  # a big chunk is written in slices of this many bytes, by all writer threads at once
-
-
-@dataclass(frozen=True)
-class ResumePoint:
-    """Where an interrupted build stopped: its journaled full batches (all of them: the open
-    shard's chunks are among them) and the half-filled batch it left, to be filled up again."""
-
-    batches: list[dict[str, Any]]
-    partial: dict[str, Any] | None
-    done_shards: int
-
-
-@dataclass(frozen=True)
-class CollatorConfig:
-    paths: BuildPaths
-    batch_size: int
-    shard_batches: int | None
-    compression: str
-    labelled: bool
-    source_bytes: int  # the width of the `source` array (the longest input path's UTF-8 bytes)
-    resume: ResumePoint = ResumePoint([], None, 0)
-    carry: Carry | None = None
-
-
-@dataclass(frozen=True)
-class Carry:
-    """An incremental build's rows of unchanged files, copied from the previous dataset at `url`
-    (decoded there, encoded again here: they move into new batches), before any new sample."""
-
-    url: str
-    storage_options: Mapping[str, Any]
-    shard_rows: int
-    runs: list[CarryRun]
-
-
-@dataclass(frozen=True)
-class End:
-    """Sent by the parent once all results are in; every task output is ahead of it in the pipe."""
-
-
-@dataclass(frozen=True)
-class BatchWritten:
-    rows: int
-
-
-@dataclass(frozen=True)
-class Rejected:
-    source: str
-    error: str
-    samples: int
-
-
-@dataclass(frozen=True)
-class Finished:
-    samples: int
-    shards: int
-    shard_batches: int
-    schema: dict[str, dict[str, Any]]
-
-
-@dataclass(frozen=True)
-class Stopped:
-    """The collator wrote and journaled every sample it had received, then stopped."""
-
-    samples: int
-
-
-@dataclass(frozen=True)
-class Crashed:
-    message: str
-
-
-Event = BatchWritten | Rejected | Finished | Stopped | Crashed
 
 
 def check_schema(schema: fmt.Schema, sample: Sample) -> str | None:
@@ -491,11 +430,6 @@ def _drain(inbox: SimpleQueue[Any], reader: Connection, collator: Collator, ring
 def _chunk(batch: dict[str, Any], name: str) -> shards.Chunk:
     offset, nbytes = batch["chunks"][name]
     return int(offset), int(nbytes)
-
-
-@dataclass(frozen=True)
-class Stop:
-    """Sent by the parent on the control pipe: write what you have, journal it, exit."""
 
 
 def run_collator(

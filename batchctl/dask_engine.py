@@ -22,13 +22,14 @@ import zarr
 
 from batchctl import format as fmt
 from batchctl import staging, storage
-from batchctl.collate import Carry, check_schema
+from batchctl.collate import check_schema
 from batchctl.errors import PipelineError, UsageError
 from batchctl.preprocess import Preprocessor, resolve
 from batchctl.records import Task, TaskResult
 from batchctl.staging import BuildPaths
 from batchctl.storage import SourceRoot
 from batchctl.workers import preprocess_task
+from batchctl.writeplan import Carry
 
 
 @dataclass(frozen=True)

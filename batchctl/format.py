@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import io
 import json
-import math
 import mmap
 import os
 import threading
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,68 +30,71 @@ from zarr.core.sync import sync
 
 from batchctl import storage
 from batchctl.errors import DatasetReplacedError, FormatError, IncompleteDatasetError
+from batchctl.metadata import (
+    ATTRS_KEY as ATTRS_KEY,
+)
+from batchctl.metadata import (
+    COMPRESSIONS as COMPRESSIONS,
+)
+from batchctl.metadata import (
+    DEFAULT_SHARD_BYTES as DEFAULT_SHARD_BYTES,
+)
+from batchctl.metadata import (  # the metadata, re-exported: `format` is the one place the format lives
+    FORMAT_VERSION as FORMAT_VERSION,
+)
+from batchctl.metadata import (
+    LABEL as LABEL,
+)
+from batchctl.metadata import (
+    MAX_SHARD_BATCHES as MAX_SHARD_BATCHES,
+)
+from batchctl.metadata import (
+    MAX_SKIPPED_LISTED as MAX_SKIPPED_LISTED,
+)
+from batchctl.metadata import (
+    MIN_SHARD_BATCHES as MIN_SHARD_BATCHES,
+)
+from batchctl.metadata import (
+    RESERVED_FIELDS as RESERVED_FIELDS,
+)
+from batchctl.metadata import (
+    SOURCE as SOURCE,
+)
+from batchctl.metadata import (
+    SOURCE_INDEX as SOURCE_INDEX,
+)
+from batchctl.metadata import (
+    SOURCE_WIDTH_STEP as SOURCE_WIDTH_STEP,
+)
+from batchctl.metadata import (
+    ZSTD_LEVEL as ZSTD_LEVEL,
+)
+from batchctl.metadata import (
+    DatasetAttrs as DatasetAttrs,
+)
+from batchctl.metadata import (
+    FieldSpec as FieldSpec,
+)
+from batchctl.metadata import (
+    Layout as Layout,
+)
+from batchctl.metadata import (
+    Schema as Schema,
+)
+from batchctl.metadata import (
+    default_shard_batches as default_shard_batches,
+)
+from batchctl.metadata import (
+    num_batches as num_batches,
+)
+from batchctl.metadata import (
+    parse_compression as parse_compression,
+)
+from batchctl.metadata import (
+    source_width as source_width,
+)
 
-FORMAT_VERSION = 2  # 2: `source` as UTF-8 bytes in a uint8 array (core Zarr v3 types only)
-ATTRS_KEY = "batchctl"
-SOURCE = "source"
-SOURCE_INDEX = "source_index"
-LABEL = "label"
-RESERVED_FIELDS = (SOURCE, SOURCE_INDEX, LABEL)
-COMPRESSIONS = ("auto", "zstd", "blosc", "none")
-ZSTD_LEVEL = 1  # by measurement: 1.65x faster than 3 on decoded photos, ratio 1.117 vs 1.120
-DEFAULT_SHARD_BYTES = 128 * 2**20
-MIN_SHARD_BATCHES = 2
-MAX_SHARD_BATCHES = 256  # tiny rows: a shard index of many thousand chunks costs more than it saves
-MAX_SKIPPED_LISTED = 1000  # the attributes list this many skipped files (`errors` counts them all)
 WRITE_CONFIG: ArrayConfigParams = {"write_empty_chunks": True}  # every shard is a file, even an all-zero one
-
-
-@dataclass(frozen=True)
-class FieldSpec:
-    """Shape and dtype of one sample of a field (the row shape, without the leading N)."""
-
-    shape: tuple[int, ...]
-    dtype: str
-
-    @property
-    def row_bytes(self) -> int:
-        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
-
-    def to_json(self) -> dict[str, Any]:
-        return {"shape": list(self.shape), "dtype": self.dtype}
-
-    @classmethod
-    def of(cls, value: np.ndarray) -> FieldSpec:
-        return cls(
-            tuple(int(n) for n in value.shape), value.dtype.str if value.dtype.byteorder == ">" else value.dtype.name
-        )
-
-
-Schema = dict[str, FieldSpec]
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How rows map onto chunks and shard files."""
-
-    batch_size: int
-    shard_batches: int
-
-    @property
-    def shard_rows(self) -> int:
-        return self.batch_size * self.shard_batches
-
-
-def default_shard_batches(batch_size: int, schema: Schema) -> int:
-    """About DEFAULT_SHARD_BYTES of uncompressed data per shard, within MIN/MAX_SHARD_BATCHES."""
-    row_bytes = sum(spec.row_bytes for spec in schema.values()) + 16
-    return min(MAX_SHARD_BATCHES, max(MIN_SHARD_BATCHES, DEFAULT_SHARD_BYTES // (batch_size * row_bytes)))
-
-
-def parse_compression(name: str) -> str:
-    if name not in COMPRESSIONS:
-        raise FormatError(f"Expected compression one of {', '.join(COMPRESSIONS)}, got {name!r} instead.")
-    return name
 
 
 AUTO_KEEP = 0.8  # `auto` compresses a field whose sample chunk zstd shrinks below this fraction
@@ -129,64 +130,6 @@ def _compressors(compression: str) -> list[Any]:
     if compression == "blosc":
         return [zc.BloscCodec(cname="zstd", clevel=ZSTD_LEVEL, shuffle="shuffle"), zc.Crc32cCodec()]
     return [zc.Crc32cCodec()]
-
-
-@dataclass
-class DatasetAttrs:
-    """The group attributes under "batchctl"; `complete` is set true last of all."""
-
-    batch_size: int
-    shard_batches: int
-    fields: dict[str, dict[str, Any]]
-    classes: list[str] | None
-    preprocess: dict[str, Any]
-    compression: str
-    batchctl_version: str
-    created: str
-    source: str
-    fingerprint: str = ""
-    build_id: str = ""  # unique to the build that wrote this version; its record beside OUTPUT names it too
-    complete: bool = False
-    num_samples: int = 0
-    num_batches: int = 0
-    num_shards: int = 0
-    errors: int = 0
-    ignored: int = 0
-    skipped: list[list[str]] = field(default_factory=list)  # [source, reason] of the first MAX_SKIPPED_LISTED
-    format_version: int = FORMAT_VERSION
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, raw: Mapping[str, Any]) -> DatasetAttrs:
-        version = raw.get("format_version")
-        if version != FORMAT_VERSION:
-            raise FormatError(f"Expected batchctl format_version {FORMAT_VERSION}, got {version!r} instead.")
-        known = {f for f in cls.__dataclass_fields__}
-        try:
-            return cls(**{k: v for k, v in raw.items() if k in known})
-        except TypeError as exc:
-            raise FormatError(f"batchctl attributes are incomplete: {exc}") from exc
-
-    @property
-    def layout(self) -> Layout:
-        return Layout(self.batch_size, self.shard_batches)
-
-
-def num_batches(num_samples: int, batch_size: int) -> int:
-    return -(-num_samples // batch_size)
-
-
-SOURCE_WIDTH_STEP = 32
-
-
-def source_width(relpaths: Iterable[str]) -> int:
-    """The width of the `source` array: the longest path's UTF-8 bytes, rounded up to a multiple
-    of SOURCE_WIDTH_STEP, so that a later incremental build can add somewhat longer paths."""
-    longest = max((len(path.encode("utf-8")) for path in relpaths), default=1)
-    return -(-max(longest, 1) // SOURCE_WIDTH_STEP) * SOURCE_WIDTH_STEP
 
 
 def encode_sources(sources: Sequence[str] | np.ndarray, width: int) -> np.ndarray:

@@ -25,10 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from batchctl import storage
-from batchctl.records import WorkItem
+from batchctl.records import CarryRun, PathKey, WorkItem
 
 RECORD_VERSION = 1
-PathKey = tuple[str, int]  # (relpath, first sample of the part): one part of one file
 
 
 @dataclass(frozen=True)
@@ -118,24 +117,6 @@ class Changes:
 
     def line(self) -> str:
         return f"{len(self.added)} added, {len(self.changed)} changed, {len(self.removed)} removed since the last build"
-
-
-@dataclass(frozen=True)
-class CarryRun:
-    """Rows of one part of an unchanged file, in a shard being rewritten: rows `start` to
-    `start + rows` of old shard `shard`, holding samples `index` onwards of the part that starts
-    at sample `first` of the file."""
-
-    shard: int
-    start: int
-    rows: int
-    item: WorkItem
-    first: int
-    index: int
-
-    @property
-    def key(self) -> PathKey:
-        return (self.item.relpath, self.first)
 
 
 @dataclass(frozen=True)

@@ -21,32 +21,41 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from batchctl.collate import (
+from batchctl.errors import PipelineError, check_signalled
+from batchctl.mpinternals import name_semaphores_after, pool_workers, shut_down_pool
+from batchctl.preprocess import Preprocessor
+from batchctl.processes import mp_context, signals_deferred, signals_ignored, start_forkserver
+from batchctl.progress import Progress
+from batchctl.records import (
     BatchWritten,
-    CollatorConfig,
     Crashed,
+    Done,
     End,
     Event,
     Finished,
     Rejected,
     Stop,
     Stopped,
-    run_collator,
+    Task,
+    TaskResult,
 )
-from batchctl.errors import PipelineError, check_signalled
-from batchctl.mpinternals import name_semaphores_after, pool_workers, shut_down_pool
-from batchctl.preprocess import Preprocessor
-from batchctl.processes import mp_context, signals_deferred, signals_ignored, start_forkserver
-from batchctl.progress import Progress
-from batchctl.records import Done, Task, TaskResult
 from batchctl.ring import SampleRing
 from batchctl.staging import BuildPaths
 from batchctl.storage import SourceRoot
 from batchctl.workers import BoundedFeed, WorkerSlots, chunked, run_chunk, start_pool
+from batchctl.writeplan import CollatorConfig
 
 HEALTH_CHECK_S = 1.0  # how long a blocking wait lasts before the children are checked on
 STOP_WAIT_S = 3.0  # how long a stopping collator may take to write its last batch
 CHUNKS_PER_WORKER = 3  # chunks in flight per worker: enough to keep it busy, few enough to stay small
+
+
+def _collator_main(*args: Any) -> None:
+    """The collator process's entry: it alone needs the Zarr stack (the fork server preloads it),
+    so the parent never imports it to name the target."""
+    from batchctl.collate import run_collator
+
+    run_collator(*args)
 
 
 @dataclass
@@ -110,7 +119,7 @@ class Pipeline:
         start_forkserver()
         with signals_deferred():
             self.collator = self.ctx.Process(
-                target=run_collator,
+                target=_collator_main,
                 args=(cfg.collator, self.inbox, self.control, self.events, self.ring),
                 name="batchctl-collator",
             )

@@ -1,10 +1,13 @@
 """The records that travel between the stages of a build: a file found, a task, its output and
-its result, and one way to say why something failed. Every stage imports these; this module
-imports no other part of batchctl."""
+its result, rows carried over by an incremental build, the collator's messages to and from the
+parent, and one way to say why something failed. Every stage imports
+these; this module imports no other part of batchctl (and neither zarr: the parent of a build
+never needs it to speak with the collator)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -67,3 +70,70 @@ def describe_error(exc: BaseException) -> str:
 
 
 Done = tuple[int, int, str | None]  # (task index, samples sent, error): a TaskResult as it travels
+PathKey = tuple[str, int]  # (relpath, first sample of the part): one part of one file
+
+
+@dataclass(frozen=True)
+class CarryRun:
+    """Rows of one part of an unchanged file, in a shard being rewritten: rows `start` to
+    `start + rows` of old shard `shard`, holding samples `index` onwards of the part that starts
+    at sample `first` of the file."""
+
+    shard: int
+    start: int
+    rows: int
+    item: WorkItem
+    first: int
+    index: int
+
+    @property
+    def key(self) -> PathKey:
+        return (self.item.relpath, self.first)
+
+
+# The messages between the collator and the parent.
+
+
+@dataclass(frozen=True)
+class End:
+    """Sent by the parent once all results are in; every task output is ahead of it in the pipe."""
+
+
+@dataclass(frozen=True)
+class BatchWritten:
+    rows: int
+
+
+@dataclass(frozen=True)
+class Rejected:
+    source: str
+    error: str
+    samples: int
+
+
+@dataclass(frozen=True)
+class Finished:
+    samples: int
+    shards: int
+    shard_batches: int
+    schema: dict[str, dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """The collator wrote and journaled every sample it had received, then stopped."""
+
+    samples: int
+
+
+@dataclass(frozen=True)
+class Crashed:
+    message: str
+
+
+Event = BatchWritten | Rejected | Finished | Stopped | Crashed
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Sent by the parent on the control pipe: write what you have, journal it, exit."""

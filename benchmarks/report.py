@@ -44,6 +44,24 @@ def check_goals(results: dict[str, Any]) -> list[tuple[str, bool]]:
                     threads["serial_fraction"] <= 0.05,
                 )
             )
+        litdata = {r["tool"]: r for r in results["images"]["rows"] if r["tool"].startswith("LitData")}
+        if litdata:
+            call = litdata["LitData optimize() (the call alone)"]["samples_per_s"]
+            whole = litdata["LitData optimize() (whole process)"]["samples_per_s"]
+            goals.append(
+                (
+                    f"batchctl (whole process) >= 1.5 x LitData's optimize() call: {best['samples_per_s'] / call:.2f}x",
+                    best["samples_per_s"] >= 1.5 * call,
+                )
+            )
+            goals.append(
+                (
+                    f"ahead of LitData as whole processes: {best['samples_per_s'] / whole:.2f}x",
+                    best["samples_per_s"] > whole,
+                )
+            )
+        else:
+            print("[info] LitData rows missing (not installed in this environment)")
         naive = next(r for r in results["images"]["rows"] if r["tool"].startswith("naive"))
         goals.append(
             (

@@ -226,6 +226,7 @@ def bench_images(root: Path, count: int, results: dict[str, Any]) -> None:
             "bytes": du(out),
         }
     )
+    rows += litdata_rows(root, src, count, r)
     # memory: N vs 4N files of the same kind (hard links to the same images under other names)
     big = root / "images4x"
     for copy in range(4):
@@ -250,6 +251,65 @@ def bench_images(root: Path, count: int, results: dict[str, Any]) -> None:
             "growth": round(peak_4n / peak_n - 1, 3),
         },
     }
+
+
+LITDATA_JOB = """
+import sys, time
+from pathlib import Path
+
+import numpy as np
+from litdata import optimize
+
+from batchctl.preprocess.image import preprocess_image
+
+SRC = Path(sys.argv[1])
+CLASSES = sorted(p.name for p in SRC.iterdir() if p.is_dir())
+
+
+def sample(path):  # what batchctl stores per row: the image, its label and its source
+    image = preprocess_image(Path(path))["image"]
+    rel = Path(path).relative_to(SRC)
+    return {"image": image, "label": CLASSES.index(rel.parts[0]), "source": rel.as_posix()}
+
+
+if __name__ == "__main__":
+    files = sorted(str(p) for p in SRC.rglob("*") if p.is_file())
+    started = time.perf_counter()
+    optimize(fn=sample, inputs=files, output_dir=sys.argv[2], num_workers=int(sys.argv[3]), chunk_bytes="128MB")
+    print("OPTIMIZE_S", time.perf_counter() - started)
+"""
+
+
+def litdata_rows(root: Path, src: Path, count: int, r: float) -> list[dict[str, Any]]:
+    """LitData's `optimize()` on the same files with the same preprocessing and CORES workers,
+    timed as a whole process and as the call alone; nothing when LitData is not installed
+    (`pip install torch==2.13.0 litdata`, torch pinned first: unpinned, it pulls several GB)."""
+    try:
+        import litdata  # noqa: F401
+    except ImportError:
+        print("[info] LitData is not installed here: its rows are left out (pip install torch==2.13.0 litdata)")
+        return []
+    job = root / "litdata_job.py"
+    job.write_text(LITDATA_JOB)
+    out = root / "litdata_out"
+    elapsed, peak, proc = run_measured([sys.executable, str(job), str(src), str(out), str(CORES)])
+    call = float(next(line.split()[1] for line in proc.stdout.splitlines() if line.startswith("OPTIMIZE_S")))
+    return [
+        {
+            "tool": "LitData optimize() (whole process)",
+            "workers": CORES,
+            "samples_per_s": round(count / elapsed, 1),
+            "ratio_to_ideal": round(count / elapsed / (CORES * r), 3),
+            "peak_rss_mib": round(peak / 2**20, 1),
+            "bytes": du(out),
+        },
+        {
+            "tool": "LitData optimize() (the call alone)",
+            "workers": CORES,
+            "samples_per_s": round(count / call, 1),
+            "ratio_to_ideal": round(count / call / (CORES * r), 3),
+        },
+    ]
 
 
 def bench_tiny(root: Path, count: int, results: dict[str, Any]) -> None:

@@ -1,0 +1,45 @@
+"""What a build hands the process that writes its shards: where to write, where an interrupted
+run stopped, and the rows an incremental build carries over. Plain data, no zarr: the parent of a
+build never needs the Zarr stack to describe the work."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from batchctl.records import CarryRun
+from batchctl.staging import BuildPaths
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where an interrupted build stopped: its journaled full batches (all of them: the open
+    shard's chunks are among them) and the half-filled batch it left, to be filled up again."""
+
+    batches: list[dict[str, Any]]
+    partial: dict[str, Any] | None
+    done_shards: int
+
+
+@dataclass(frozen=True)
+class CollatorConfig:
+    paths: BuildPaths
+    batch_size: int
+    shard_batches: int | None
+    compression: str
+    labelled: bool
+    source_bytes: int  # the width of the `source` array (the longest input path's UTF-8 bytes)
+    resume: ResumePoint = ResumePoint([], None, 0)
+    carry: Carry | None = None
+
+
+@dataclass(frozen=True)
+class Carry:
+    """An incremental build's rows of unchanged files, copied from the previous dataset at `url`
+    (decoded there, encoded again here: they move into new batches), before any new sample."""
+
+    url: str
+    storage_options: Mapping[str, Any]
+    shard_rows: int
+    runs: list[CarryRun]
