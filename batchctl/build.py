@@ -342,7 +342,7 @@ class _Builder:
         why = _differences({**record.spec, "source": record.source}, {**self.spec, "source": str(self.source)})
         if record.classes != discovery.classes:
             why.append("the class folders changed")
-        plan = incremental.plan(record, discovery.items, self.digests, self.options.checksum)
+        plan = incremental.plan(record, discovery.items, self.digests, self.options.checksum, not self.paths.remote)
         longest = max((len(path.encode()) for path in plan.preprocess), default=0)
         if longest > record.source_width:
             why.append(f"a new path of {longest} bytes is longer than the source column's {record.source_width}")
@@ -380,12 +380,23 @@ class _Builder:
             arrays = fmt.open_arrays(group)
             for new, old in enumerate(plan.kept_shards):
                 for arr in arrays.values():
-                    _link(Path(root) / fmt.shard_key(arr, old), Path(staging_root) / fmt.shard_key(arr, new))
+                    source, target = Path(root) / fmt.shard_key(arr, old), Path(staging_root) / fmt.shard_key(arr, new)
+                    if new < len(plan.done_shards):
+                        _link(source, target)
+                    else:  # the open tail grows: a copy of its own, never a link to the published file
+                        target.parent.mkdir(parents=True, exist_ok=True)
+                        shutil.copyfile(source, target)
             fmt.write_attrs(group, self._attrs(discovery))
         lines: list[dict[str, Any]] = []
+        tail = len(plan.done_shards)
+        chunks = self._tail_chunks(arrays, tail, record.shard_batches) if plan.open_tail else {}
         for batch in plan.kept_batches:
+            position = int(batch["batch"]) % record.shard_batches
+            if batch["shard"] == tail:  # the open tail: its chunks' places, read from its shard index
+                lines.append({**batch, "chunks": {name: spots[position] for name, spots in chunks.items()}})
+                continue
             lines.append({**batch, "chunks": {}})
-            if int(batch["batch"]) % record.shard_batches == record.shard_batches - 1:
+            if position == record.shard_batches - 1:
                 lines.append({"shard_done": batch["shard"]})
         if lines:
             staging.append_journal(self.paths, lines)
@@ -394,12 +405,21 @@ class _Builder:
             incremental={
                 "build_id": record.build_id,
                 "carry_from": carry_from,
-                "kept_shards": len(plan.kept_shards),
+                "kept_shards": len(plan.done_shards),
                 "kept_samples": plan.kept_samples,
             },
         )
         staging.write_state(self.paths, state)
         return state
+
+    def _tail_chunks(self, arrays: Mapping[str, zarr.Array], shard: int, shard_batches: int) -> dict[str, list[Any]]:
+        """(offset, nbytes) of each chunk of a copied shard file of each array, from its index."""
+        from batchctl import format as fmt
+
+        return {
+            name: fmt.read_shard_index(self.paths.staging / fmt.shard_key(arr, shard), shard_batches)
+            for name, arr in arrays.items()
+        }
 
     def _resume(self, discovery: Discovery, state: Mapping[str, Any]) -> list[Task] | None:
         """Tasks still to do after an interrupted run, or None when it cannot be trusted."""
@@ -449,7 +469,7 @@ class _Builder:
         if record is None or record.build_id != seeded.get("build_id"):
             self.progress.info("the record of the last build is gone; starting over")
             return None
-        plan = incremental.plan(record, discovery.items, self.digests, self.options.checksum)
+        plan = incremental.plan(record, discovery.items, self.digests, self.options.checksum, not self.paths.remote)
         done = {key: (int(entry[0]), bool(entry[1])) for key, entry in written.items()}
         runs = incremental.remaining_carry(plan.carry, done)
         self.carry = Carry(str(seeded["carry_from"]), dict(self.options.storage_options), record.shard_rows, runs)

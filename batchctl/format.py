@@ -335,6 +335,17 @@ def shard_index_bytes(entries: list[tuple[int, int]], shard_batches: int) -> lis
     return [index_bytes, _crc32c_bytes(index_bytes)]
 
 
+def read_shard_index(path: Path, shard_batches: int) -> list[list[int]]:
+    """The (offset, nbytes) of each chunk of a local shard file, from its index (checked)."""
+    nbytes = shard_batches * 16 + 4
+    with open(path, "rb") as file:
+        file.seek(-nbytes, os.SEEK_END)
+        raw = file.read(nbytes)
+    if len(raw) != nbytes or google_crc32c.value(raw[:-4]) != int.from_bytes(raw[-4:], "little"):
+        raise FormatError(f"{path}: the shard index checksum does not match")
+    return [[int(offset), int(size)] for offset, size in np.frombuffer(raw[:-4], dtype="<u8").reshape(-1, 2)]
+
+
 def _crc32c_bytes(data: Any) -> bytes:
     return int(google_crc32c.value(data)).to_bytes(4, "little")
 

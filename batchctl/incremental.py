@@ -121,14 +121,20 @@ class Changes:
 
 @dataclass(frozen=True)
 class Plan:
-    """An incremental build: the changes, the old shards kept whole (in their new order), and the
-    rows carried over from the others (in order)."""
+    """An incremental build: the changes, the old shards kept whole (in their new order; the last
+    one perhaps the short tail, kept open), and the rows carried over from the others (in order)."""
 
     changes: Changes
     kept_shards: list[int]
     carry: list[CarryRun]
     kept_batches: list[dict[str, Any]]  # journal lines of the kept shards, renumbered
     skipped: dict[str, list[Any]]  # unchanged files the last build skipped: not tried again
+    open_tail: bool = False  # the last of `kept_shards` is the short last shard, kept open for new rows
+
+    @property
+    def done_shards(self) -> list[int]:
+        """The kept shards that are whole (all but an open tail)."""
+        return self.kept_shards[:-1] if self.open_tail else self.kept_shards
 
     @property
     def kept_samples(self) -> int:
@@ -174,8 +180,10 @@ def _same(item: WorkItem, stamp: tuple[int, int], old: str | None, new: str | No
     return item.mtime_ns == stamp[1]
 
 
-def plan(record: Record, items: list[WorkItem], digests: Mapping[str, str], checksum: bool) -> Plan:
-    """Which old shards stay whole and which rows are carried over, for the files of `items`."""
+def plan(record: Record, items: list[WorkItem], digests: Mapping[str, str], checksum: bool, keep_tail: bool) -> Plan:
+    """Which old shards stay whole and which rows are carried over, for the files of `items`.
+    `keep_tail`: a short last shard none of whose rows changed is kept too, as the open shard new
+    rows are appended to (a local OUTPUT: its files are copied, then grow; an object cannot)."""
     changes, unchanged = compare(record, items, digests, checksum)
     current = {item.relpath: item for item in items}
     shard_rows, batch_size = record.shard_rows, record.batch_size
@@ -193,15 +201,12 @@ def plan(record: Record, items: list[WorkItem], digests: Mapping[str, str], chec
             shards_of[key].add(shard)
             position += int(rows)
     last = max(rows_in, default=-1)
-    dirty = {shard for shard, relpath in ((r[0], r[3]) for r in runs) if relpath not in unchanged}
-    if last >= 0 and rows_in[last] < shard_rows:
-        dirty.add(last)  # the short last shard takes new rows: rewritten
-    while True:  # a part with rows in a rewritten shard is carried whole: its other shards are rewritten too
-        spread = {s for shards in shards_of.values() if shards & dirty for s in shards} - dirty
-        if not spread:
-            break
-        dirty |= spread
+    short = last >= 0 and rows_in[last] < shard_rows
+    dirty = _spread({shard for shard, relpath in ((r[0], r[3]) for r in runs) if relpath not in unchanged}, shards_of)
+    if short and (last in dirty or not keep_tail):
+        dirty = _spread(dirty | {last}, shards_of)  # the short last shard takes new rows: rewritten
     kept = [shard for shard in sorted(rows_in) if shard not in dirty]
+    open_tail = short and last not in dirty
     new_index = {old: new for new, old in enumerate(kept)}
     kept_batches = []
     for batch in record.batches:
@@ -214,7 +219,17 @@ def plan(record: Record, items: list[WorkItem], digests: Mapping[str, str], chec
         if shard in dirty and relpath in unchanged
     ]
     skipped = {relpath: entry for relpath, entry in record.skipped.items() if relpath in unchanged}
-    return Plan(changes, kept, carry, kept_batches, skipped)
+    return Plan(changes, kept, carry, kept_batches, skipped, open_tail)
+
+
+def _spread(dirty: set[int], shards_of: Mapping[PathKey, set[int]]) -> set[int]:
+    """`dirty` and every shard sharing a part with it: a part with rows in a rewritten shard is
+    carried whole, so its other shards are rewritten too."""
+    while True:
+        spread = {s for shards in shards_of.values() if shards & dirty for s in shards} - dirty
+        if not spread:
+            return dirty
+        dirty = dirty | spread
 
 
 def remaining_carry(carry: list[CarryRun], written: Mapping[PathKey, tuple[int, bool]]) -> list[CarryRun]:

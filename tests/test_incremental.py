@@ -235,3 +235,25 @@ def test_signals_at_random_moments_of_incremental_runs(folder: Path, tmp_path: P
         assert_same_rows(rows_by_key(out), rows_by_key(fresh))
         shutil.rmtree(fresh)
     assert failures == []
+
+
+def test_new_rows_are_appended_to_a_copy_of_the_short_last_shard(folder: Path, tmp_path: Path) -> None:
+    """Only added files: the short last shard is copied (its rows never decoded) and filled up; the
+    published one is never written to."""
+    new_image(tmp_path, folder / "dog" / "first-extra.jpg", 11)
+    out = tmp_path / "data.zarr"
+    build(folder, out)  # 41 rows: 5 full shards and a last one of 1 row
+    before = rows_by_key(out)
+    tail = out / "source_index" / "c" / "5"
+    tail_bytes, tail_inode = tail.read_bytes(), tail.stat().st_ino
+    os.link(tail, tmp_path / "old-tail")  # the published file itself, whatever happens to its name
+    for i in range(4):
+        new_image(tmp_path, folder / "cat" / f"late{i}.jpg", 20 + i)
+    report = build(folder, out)
+    assert report["processed"] == 4 and report["kept_samples"] == 41 and report["samples"] == 45
+    assert tail.stat().st_ino != tail_inode and (tmp_path / "old-tail").read_bytes() == tail_bytes
+    fresh = tmp_path / "fresh.zarr"
+    build(folder, fresh)
+    after = rows_by_key(out)
+    assert_same_rows(after, rows_by_key(fresh))
+    assert all(np.array_equal(after[key], row) for key, row in before.items())
