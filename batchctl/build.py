@@ -29,6 +29,7 @@ from batchctl.errors import (
     signal_handled,
     signalled_in,
 )
+from batchctl.lock import BuildLock
 from batchctl.pipeline import Pipeline, PipelineConfig
 from batchctl.preprocess import Preprocessor, resolve
 from batchctl.processes import signals_raise, start_forkserver, sweep_dead_builds
@@ -42,7 +43,7 @@ from batchctl.records import (
     describe_error,
 )
 from batchctl.report import BuildReport, Changes, FileError
-from batchctl.staging import BuildLock, BuildPaths
+from batchctl.staging import BuildPaths
 from batchctl.storage import SourceRoot
 from batchctl.version import __version__
 from batchctl.writeplan import Carry, CollatorConfig, ResumePoint

@@ -1,7 +1,8 @@
 """Where a build writes before its dataset is complete, and how it gets into place.
 
 For OUTPUT `dir/data.zarr` a build works in `dir/.data.zarr.batchctl/` (the staging dataset,
-its journal and the options it was started with) and holds `dir/.data.zarr.batchctl.lock`.
+its journal and the options it was started with) and holds `dir/.data.zarr.batchctl.lock`
+(`batchctl.lock`); a complete dataset's record lies beside it, `dir/.data.zarr.batchctl.record`.
 Only a complete dataset is moved to OUTPUT, by one atomic rename (an atomic exchange when an
 older dataset is there), so readers see the old dataset or the new one, never a half-built one.
 """
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import fcntl
 import hashlib
 import json
 import os
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from batchctl import storage
-from batchctl.errors import LockedError, UsageError
+from batchctl.errors import UsageError
 from batchctl.processes import signals_ignored
 
 RENAME_EXCHANGE = 2
@@ -101,66 +101,6 @@ class BuildPaths:
 
     def zarr_kwargs(self) -> dict[str, Any]:
         return storage.zarr_options(self.url, self.storage_options)
-
-
-class BuildLock:
-    """An flock on the lock file: the kernel drops it when the holder dies, so a lock left by a
-    killed build is simply taken over. The file records the holder's pid for the message.
-
-    OUTPUT may well sit in a shared folder such as /tmp, so the lock is never a symlink (someone
-    could plant one to make us truncate a file of ours) nor anything but a plain file."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.fd: int | None = None
-
-    def acquire(self) -> BuildLock:
-        while True:
-            fd = self._open()
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-                os.close(fd)
-                raise LockedError(
-                    f"another build of this output is running (process {holder} holds {self.path}); "
-                    "wait for it to finish or stop it."
-                ) from None
-            if os.path.lexists(self.path) and os.lstat(self.path).st_ino == os.fstat(fd).st_ino:
-                break
-            os.close(fd)  # the file was replaced between open and flock: lock the new one
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self.fd = fd
-        return self
-
-    def _open(self) -> int:
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise UsageError(
-                    f"the lock {self.path} is a symbolic link; batchctl will not follow it: remove it."
-                ) from None
-            raise UsageError(
-                f"cannot create the lock {self.path} ({exc.strerror}): OUTPUT's folder must be writable."
-            ) from None
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
-            os.close(fd)
-            raise UsageError(f"the lock {self.path} is not a plain file of its own; remove it.")
-        return fd
-
-    def release(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-
-    def __enter__(self) -> BuildLock:
-        return self.acquire()
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
 
 
 def check_workdir(paths: BuildPaths) -> None:
