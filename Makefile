@@ -27,6 +27,9 @@ demo: $(STAMP)
 	$(VENV)/bin/batchctl preview demo/images.zarr -o demo/preview.png
 
 bench: $(STAMP)
+	# byte-compiled modules, as an installed package has them (this may run with PYTHONDONTWRITEBYTECODE)
+	$(PY) -m compileall -q batchctl
+	# LitData, the peer it is compared with, is optional: $(PY) -m pip install torch==2.13.0 litdata
 	$(PY) benchmarks/run.py
 
 clean:

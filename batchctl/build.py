@@ -343,7 +343,7 @@ class _Builder:
         why = _differences({**record.spec, "source": record.source}, {**self.spec, "source": str(self.source)})
         if record.classes != discovery.classes:
             why.append("the class folders changed")
-        plan = incremental.plan(record, discovery.items, self.digests, self.options.checksum, not self.paths.remote)
+        plan = incremental.plan(record, discovery.items, self.digests, self.options.checksum, self._keep_tail)
         longest = max((len(path.encode()) for path in plan.preprocess), default=0)
         if longest > record.source_width:
             why.append(f"a new path of {longest} bytes is longer than the source column's {record.source_width}")
@@ -413,6 +413,12 @@ class _Builder:
         staging.write_state(self.paths, state)
         return state
 
+    @property
+    def _keep_tail(self) -> bool:
+        """An incremental build may keep the short last shard open and append to it: only the local
+        engine's collator appends, and only to a local file (an object is written whole)."""
+        return self.options.engine == "local" and not self.paths.remote
+
     def _tail_chunks(self, arrays: Mapping[str, zarr.Array], shard: int, shard_batches: int) -> dict[str, list[Any]]:
         """(offset, nbytes) of each chunk of a copied shard file of each array, from its index."""
         from batchctl import format as fmt
@@ -470,7 +476,7 @@ class _Builder:
         if record is None or record.build_id != seeded.get("build_id"):
             self.progress.info("the record of the last build is gone; starting over")
             return None
-        plan = incremental.plan(record, discovery.items, self.digests, self.options.checksum, not self.paths.remote)
+        plan = incremental.plan(record, discovery.items, self.digests, self.options.checksum, self._keep_tail)
         done = {key: (int(entry[0]), bool(entry[1])) for key, entry in written.items()}
         runs = incremental.remaining_carry(plan.carry, done)
         self.carry = Carry(str(seeded["carry_from"]), dict(self.options.storage_options), record.shard_rows, runs)

@@ -81,6 +81,23 @@ def check_goals(results: dict[str, Any]) -> list[tuple[str, bool]]:
                 marginal >= 20000,
             )
         )
+    if "startup" in results:
+        start = results["startup"]
+        imports = start["import_numpy_pil_s"]
+        goals.append(
+            (
+                f"a build of 10 small images {start['build_10_images_s']:.2f} s <= 3 x `import numpy, PIL.Image` "
+                f"({imports:.2f} s)",
+                start["build_10_images_s"] <= 3 * imports,
+            )
+        )
+        goals.append(
+            (
+                f"an up-to-date rerun over 10,000 files {start['up_to_date_10000_files_s']:.2f} s <= that import "
+                f"+ 0.5 s",
+                start["up_to_date_10000_files_s"] <= imports + 0.5,
+            )
+        )
     if "incremental" in results:
         inc = results["incremental"]
         for rerun in inc["reruns"]:

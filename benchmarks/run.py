@@ -342,6 +342,30 @@ def bench_tiny(root: Path, count: int, results: dict[str, Any]) -> None:
     }
 
 
+def bench_startup(root: Path, results: dict[str, Any]) -> None:
+    """Fixed costs, side by side: `python -c "import numpy, PIL.Image"`, a build of 10 small
+    images, and an up-to-date rerun over 10,000 tiny files (best of three each)."""
+    ten, many = root / "start_ten", root / "start_many"
+    make_image_folder(ten, 10, sides=(64, 96), seed=3)
+    many.mkdir()
+    for i in range(10_000):
+        np.save(many / f"{i:05d}.npy", np.zeros(4, np.float32))
+    build = [sys.executable, "-m", "batchctl", "build", "--quiet", "--workers", str(CORES)]
+
+    def best(make_cmd: Any) -> float:
+        return min(run_measured(make_cmd(n))[0] for n in range(3))
+
+    imports = best(lambda n: [sys.executable, "-c", "import numpy, PIL.Image"])
+    ten_images = best(lambda n: [*build, str(ten), "-o", str(root / f"start_ten{n}.zarr")])
+    run_measured([*build, str(many), "-o", str(root / "start_many.zarr"), "--preprocess", "npy"])
+    rerun = best(lambda n: [*build, str(many), "-o", str(root / "start_many.zarr"), "--preprocess", "npy"])
+    results["startup"] = {
+        "import_numpy_pil_s": round(imports, 3),
+        "build_10_images_s": round(ten_images, 3),
+        "up_to_date_10000_files_s": round(rerun, 3),
+    }
+
+
 def bench_incremental(root: Path, count: int, results: dict[str, Any]) -> None:
     """A rerun after 1% of the files were added (then removed, then changed), against the full
     build of the same folder and against start-up (a build of 10 small images), side by side."""
@@ -471,7 +495,9 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=400_000)
     parser.add_argument("--audio-seconds", type=int, default=3600)
     parser.add_argument(
-        "--only", choices=["images", "tiny", "incremental", "big_npy", "big_audio", "read"], action="append"
+        "--only",
+        choices=["images", "tiny", "startup", "incremental", "big_npy", "big_audio", "read"],
+        action="append",
     )
     args = parser.parse_args()
     results: dict[str, Any] = {
@@ -480,11 +506,13 @@ def main() -> None:
     }
     with tempfile.TemporaryDirectory(prefix="batchctl-bench-") as tmp:
         root = Path(tmp)
-        todo = args.only or ["images", "tiny", "incremental", "big_npy", "big_audio", "read"]
+        todo = args.only or ["images", "tiny", "startup", "incremental", "big_npy", "big_audio", "read"]
         if "images" in todo:
             bench_images(root, args.images, results)
         if "tiny" in todo:
             bench_tiny(root, args.tiny, results)
+        if "startup" in todo:
+            bench_startup(root, results)
         if "incremental" in todo:
             bench_incremental(root, args.images, results)
         if "big_npy" in todo:

@@ -101,9 +101,7 @@ def test_dask_cluster_preprocesses_every_file_exactly_once(
     assert again.returncode == 0 and "up to date" in again.stderr
 
 
-def test_dask_reruns_incrementally_and_resumes_an_interrupted_run(
-    tmp_path: Path, cluster: tuple[str, list[int]]
-) -> None:
+def test_dask_reruns_incrementally_three_rounds_one_interrupted(tmp_path: Path, cluster: tuple[str, list[int]]) -> None:
     address, _ = cluster
     folder = tmp_path / "data"
     make_image_folder(folder, 40, sides=(60, 120))
@@ -142,6 +140,14 @@ def test_dask_reruns_incrementally_and_resumes_an_interrupted_run(
     assert data["processed"] <= 19 + 2 - 8  # the finished group's files were not preprocessed again
     assert_same_rows(rows_by_key(out), fresh_rows("fresh1.zarr"))
     assert verify(out) == []
+
+    changed = change_files(folder, 2)  # a third round, after the resumed one
+    result = run_cli("build", folder, "-o", out, *slow, *dask, "--report", report)
+    assert result.returncode == 0, result.stderr
+    data = json.loads(report.read_text())
+    assert {key: data[key]["paths"] for key in ("added", "changed", "removed")} == changed
+    assert data["processed"] == len(changed["added"]) + len(changed["changed"])
+    assert_same_rows(rows_by_key(out), fresh_rows("fresh2.zarr"))
 
 
 @pytest.mark.parametrize(
