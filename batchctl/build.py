@@ -329,9 +329,10 @@ class _Builder:
         """How to build on the complete dataset at OUTPUT, or None (and why, in one line) when
         everything must be built."""
         attrs = meta.read_dataset_attrs(self.output, self.options.storage_options)
-        if attrs is None or not attrs.complete:
-            if storage.is_url(self.output) or self.paths.output.exists():
-                self.progress.info("building everything: OUTPUT holds no complete dataset of this batchctl")
+        if attrs is None:  # a first build (or a dataset of another format version): nothing to build on
+            return None
+        if not attrs.complete:
+            self.progress.info("building everything: the dataset at OUTPUT was left incomplete")
             return None
         if self.options.force:
             self.progress.info("building everything (--force)")
@@ -369,10 +370,10 @@ class _Builder:
             fmt.write_attrs(group, self._attrs(discovery))
             carry_from = f"{self.paths.workdir_url}/previous.zarr"
             _copy_dataset_shards(fs, root, storage.fs_path(carry_from), group, sorted({r.shard for r in plan.carry}))
+            arrays = fmt.open_arrays(group)
             for new, old in enumerate(plan.kept_shards):
                 if new != old:
-                    _copy_shard(fs, fmt.open_arrays(group), f"{root}/", old, f"{root}/", new)
-            arrays = fmt.open_arrays(group)
+                    _copy_shard(fs, arrays, f"{root}/", old, f"{root}/", new)
             fmt.remove_shards_from(arrays, fs, root, len(plan.kept_shards))
         else:
             staging_root = str(self.paths.staging)

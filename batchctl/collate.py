@@ -236,23 +236,25 @@ class Collator:
         last_run = {run.key: i for i, run in enumerate(carry.runs)}
         pending: dict[PathKey, list[tuple[CarryRun, dict[str, np.ndarray]]]] = {}
         number = 0
-        for shard, runs in groupby(carry.runs, key=lambda run: run.shard):
-            if stopping():
-                return
-            shard_runs = list(runs)
-            start = shard * carry.shard_rows
-            end = start + max(run.start + run.rows for run in shard_runs)
-            rows = {name: old.rows(name, start, end) for name in old.arrays}
-            ready: list[PathKey] = []
-            for run in shard_runs:
-                piece = {name: column[run.start : run.start + run.rows] for name, column in rows.items()}
-                pending.setdefault(run.key, []).append((run, piece))
-                if last_run[run.key] == number:
-                    ready.append(run.key)
-                number += 1
-            if ready:
-                self.add(_carried(ready, pending))
-        old.close()
+        try:
+            for shard, runs in groupby(carry.runs, key=lambda run: run.shard):
+                if stopping():
+                    return
+                shard_runs = list(runs)
+                start = shard * carry.shard_rows
+                end = start + max(run.start + run.rows for run in shard_runs)
+                rows = {name: old.rows(name, start, end) for name in old.arrays}
+                ready: list[PathKey] = []
+                for run in shard_runs:
+                    piece = {name: column[run.start : run.start + run.rows] for name, column in rows.items()}
+                    pending.setdefault(run.key, []).append((run, piece))
+                    if last_run[run.key] == number:
+                        ready.append(run.key)
+                    number += 1
+                if ready:
+                    self.add(_carried(ready, pending))
+        finally:
+            old.close()
 
     def _write_batch(self) -> None:
         """Write the full batch; a shard whose last batch this was gets its index."""

@@ -8,7 +8,9 @@ describes (a record of any other dataset is ignored). The next run compares SOUR
 - added and changed files are preprocessed; removed files' rows are dropped;
 - shards holding no row of a changed or removed file are kept whole (their files are linked or
   copied, never decoded), renumbered to come first;
-- the other shards (and the last shard when it is short) are rewritten: their kept rows are
+- the short last shard, when none of its rows changed and the local collator builds on a local
+  OUTPUT, is copied byte for byte and kept open: new rows are appended to it;
+- the other shards (and a short last shard otherwise) are rewritten: their kept rows are
   carried over by the collator, decoded from the previous dataset, never preprocessed again.
 
 The rewritten part is built exactly like an interrupted build being resumed: the kept shards are
