@@ -144,6 +144,7 @@ class _Builder:
         self.pp_options = self.preprocessor.options(options.preprocess_options)
         self.spec = dataset_spec(options, self.preprocessor, self.pp_options)
         self.paths = BuildPaths(output, options.storage_options)
+        self.work = staging.workdir(self.paths)
         self.report = BuildReport(str(source), output)
         self.started = time.monotonic()
         self.new_samples = 0
@@ -159,7 +160,7 @@ class _Builder:
             _check_store_reachable(self.paths)
         elif not self.paths.output.parent.is_dir():
             raise UsageError(f"OUTPUT's folder {self.paths.output.parent} does not exist.")
-        staging.check_replaceable(self.paths)
+        self.work.check()
         with BuildLock(self.paths.lock), signals_raise():
             try:
                 return self._run_locked()
@@ -180,7 +181,6 @@ class _Builder:
     def _run_locked(self) -> BuildReport:
         check_signalled()  # checkpoints: a signal whose raise library code swallowed is acted on here
         sweep_dead_builds()  # what builds killed with their whole process group left in /dev/shm
-        staging.check_workdir(self.paths)
         discovery = discover(
             self.source, self.preprocessor.accepts, self.options.seed, self.options.storage_options, self.output
         )
@@ -296,7 +296,7 @@ class _Builder:
 
         from batchctl import format as fmt
 
-        state = staging.read_state(self.paths)
+        state = self.work.read_state()
         if state is not None and self.options.resume:
             if state.get("spec") != self.spec or state.get("source") != str(self.source):
                 raise ResumeMismatchError(_mismatch_text(state, self.spec, str(self.source)))
@@ -304,16 +304,16 @@ class _Builder:
             if tasks is not None:
                 return tasks
         found = self._incremental_plan(discovery)
-        staging.start_workdir(self.paths)
+        self.work.start()
         if found is not None:
             state = self._seed(discovery, *found)
             tasks = self._resume(discovery, state)
             if tasks is not None:
                 return tasks
-            staging.start_workdir(self.paths)
+            self.work.start()
         group = zarr.open_group(self.paths.staging_url, mode="w", **self.paths.zarr_kwargs())
         fmt.write_attrs(group, self._attrs(discovery))
-        staging.write_state(self.paths, self._state(discovery))
+        self.work.write_state(self._state(discovery))
         return self._tasks(discovery, {})
 
     def _state(self, discovery: Discovery, **more: Any) -> dict[str, Any]:
@@ -401,7 +401,7 @@ class _Builder:
             if position == record.shard_batches - 1:
                 lines.append({"shard_done": batch["shard"]})
         if lines:
-            staging.append_journal(self.paths, lines)
+            self.work.append_journal(lines)
         state = self._state(
             discovery,
             incremental={
@@ -411,7 +411,7 @@ class _Builder:
                 "kept_samples": plan.kept_samples,
             },
         )
-        staging.write_state(self.paths, state)
+        self.work.write_state(state)
         return state
 
     @property
@@ -458,7 +458,7 @@ class _Builder:
                 return None
             only = plan.preprocess
         if engine == "local":
-            staging.rewrite_journal(self.paths, kept.lines())
+            self.work.rewrite_journal(kept.lines())
         self.resume_point = ResumePoint(kept.batches, kept.partial, kept.done_shards)
         self.kept_groups = kept.groups
         self.report.resumed_shards = kept.done_shards - (seeded or {}).get("kept_shards", 0)
@@ -501,7 +501,7 @@ class _Builder:
         arrays = fmt.open_arrays(group)
         if not arrays:
             return staging.Journaled([], None, 0)
-        kept = staging.resolve_journal(staging.read_journal(self.paths), self.options.batch_size)
+        kept = staging.resolve_journal(self.work.read_journal(), self.options.batch_size)
         batches, partial = kept.batches, kept.partial
         fs, root = storage.locate(self.paths.staging_url, self.paths.storage_options)
         sizes: dict[str, int] = {}
@@ -533,7 +533,7 @@ class _Builder:
 
         from batchctl import format as fmt
 
-        lines = staging.read_journal(self.paths)
+        lines = self.work.read_journal()
         seeded = staging.resolve_journal(lines, self.options.batch_size)
         group = zarr.open_group(self.paths.staging_url, mode="r", **self.paths.zarr_kwargs())
         source = fmt.open_arrays(group).get(meta.SOURCE)
@@ -603,7 +603,7 @@ class _Builder:
 
         stamps = {item.relpath: item for item in discovery.items}
         if self.options.engine == "local":
-            batches = staging.resolve_journal(staging.read_journal(self.paths), self.options.batch_size).batches
+            batches = staging.resolve_journal(self.work.read_journal(), self.options.batch_size).batches
         else:
             batches = self._batches_from_columns(stamps)
         skipped = {
@@ -705,7 +705,7 @@ class _Builder:
 
         group = zarr.open_group(self.paths.staging_url, mode="r+", **self.paths.zarr_kwargs())
         fmt.write_attrs(group, self._attrs(discovery, fingerprint, finished))
-        staging.move_into_place(self.paths, incremental.record_bytes(record))
+        self.work.publish(incremental.record_bytes(record))
 
     def _end(self, status: Any, message: str = "") -> BuildReport:
         self.progress.close()

@@ -101,6 +101,7 @@ class Collator:
         self.events = events
         self.group = zarr.open_group(config.paths.staging_url, mode="r+", **config.paths.zarr_kwargs())
         self.local_root = None if config.paths.remote else config.paths.staging
+        self.work = staging.workdir(config.paths)
         self.arrays = fmt.open_arrays(self.group)
         self.schema: fmt.Schema | None = None
         self.layout: fmt.Layout | None = None
@@ -345,7 +346,7 @@ class Collator:
 
     def _journal(self) -> None:
         """Append the lines of what is now durable to the journal."""
-        staging.append_journal(self.config.paths, self.unjournaled)
+        self.work.append_journal(self.unjournaled)
         self.unjournaled = []
         self.last_sync = time.monotonic()
 

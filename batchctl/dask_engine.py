@@ -223,6 +223,7 @@ class DaskRun:
         self.group = zarr.open_group(job.paths.staging_url, mode="r+", **job.paths.zarr_kwargs())
         self.workers_seen: set[str] = set()
         self.spill_dir = f"{self.paths.workdir_url}/spill"
+        self.work = staging.workdir(self.paths)
 
     def run(self, tasks: list[Task]) -> Outcome:
         arrays = fmt.open_arrays(self.group)
@@ -326,7 +327,7 @@ class DaskRun:
         _store_spill(self._spill(-1), self.paths.storage_options, columns)
         files = [[r.item.relpath, r.rows, True, r.item.size, r.item.mtime_ns, r.first] for r in carry.runs]
         line = {"group": -1, "full": False, "rows": len(columns[fmt.SOURCE]), "files": files}
-        staging.append_group_journal(self.paths, line)
+        self.work.append_group(line)
         return line
 
     def _probe_schema(self, tasks: list[Task]) -> tuple[dict[str, fmt.FieldSpec], dict[str, np.ndarray]]:
@@ -367,7 +368,7 @@ class DaskRun:
                     if r.samples
                 ]
                 line = {"group": result.index, "full": result.full, "rows": result.rows, "files": files}
-                staging.append_group_journal(self.paths, line)
+                self.work.append_group(line)
                 lines.append(line)
                 for task_result in result.results:
                     self.job.on_result(task_result)

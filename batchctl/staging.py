@@ -5,6 +5,9 @@ its journal and the options it was started with) and holds `dir/.data.zarr.batch
 (`batchctl.lock`); a complete dataset's record lies beside it, `dir/.data.zarr.batchctl.record`.
 Only a complete dataset is moved to OUTPUT, by one atomic rename (an atomic exchange when an
 older dataset is there), so readers see the old dataset or the new one, never a half-built one.
+An object store has neither rename nor append: `RemoteWorkdir` writes the dataset in place and
+journals whole objects. Both sit behind one interface, `Workdir`; the journal's meaning
+(`resolve_journal`) is the same for both.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import json
 import os
 import shutil
 import stat
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,130 +107,236 @@ class BuildPaths:
         return storage.zarr_options(self.url, self.storage_options)
 
 
-def check_workdir(paths: BuildPaths) -> None:
-    """Refuse a local work folder that is not this user's, or that others could write into: its
-    journal and state decide what a build trusts and deletes, and OUTPUT may sit in a shared folder."""
-    if paths.remote:
-        return
-    try:
-        st = os.lstat(paths.workdir)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
-        raise UsageError(
-            f"{paths.workdir} is not a private folder of yours (a build creates it with mode 0700); "
-            "batchctl will not trust or delete it: remove it yourself."
-        )
-    if st.st_mode & 0o077:  # ours, and nobody else could write into it (an older batchctl's): make it private
-        os.chmod(paths.workdir, 0o700)
+class Workdir(ABC):
+    """Where one build of OUTPUT keeps its work, and how it publishes: the journal, the state, the
+    work folder (or prefix) and the final step. `workdir(paths)` gives the local or the remote one."""
+
+    def __init__(self, paths: BuildPaths) -> None:
+        self.paths = paths
+
+    @abstractmethod
+    def check(self) -> None:
+        """Refuse, before anything is read or written, what a build must not trust or replace."""
+
+    @abstractmethod
+    def start(self) -> None:
+        """An empty work folder, whatever was there."""
+
+    @abstractmethod
+    def discard(self) -> None: ...
+
+    @abstractmethod
+    def write_state(self, state: dict[str, Any]) -> None: ...
+
+    @abstractmethod
+    def read_state(self) -> dict[str, Any] | None: ...
+
+    @abstractmethod
+    def read_journal(self) -> list[dict[str, Any]]:
+        """The journal's lines, in order, up to a torn one: one per batch written
+        (`{"batch", "shard", "rows", "chunks", "files"}`), one per shard finished
+        (`{"shard_done"}`), one per Dask group finished (`{"group", "full", "rows", "files"}`)."""
+
+    @abstractmethod
+    def append_journal(self, lines: list[dict[str, Any]]) -> None:
+        """Append lines durably (on an object store, whole shards only: `lines` end with the
+        shard's `shard_done`)."""
+
+    @abstractmethod
+    def append_group(self, line: dict[str, Any]) -> None:
+        """Journal one finished Dask group."""
+
+    @abstractmethod
+    def rewrite_journal(self, lines: list[dict[str, Any]]) -> None:
+        """Keep only `lines` (what a resumed build trusts)."""
+
+    @abstractmethod
+    def publish(self, record: bytes) -> None:
+        """Put the staging dataset (marked complete) and its `record` in place, then drop the work.
+
+        SIGINT/SIGTERM wait until the dataset and its record are in place and the work can no
+        longer be taken for an interrupted build (its state is gone)."""
 
 
-def check_replaceable(paths: BuildPaths) -> None:
-    """Refuse to replace anything at OUTPUT but an empty folder or a batchctl dataset."""
-    if paths.remote:
-        fs, where = paths.fs, storage.fs_path(paths.url)
-        if fs.exists(where) and fs.ls(where) and not fs.exists(f"{where}/zarr.json"):
-            raise UsageError(f"OUTPUT {paths.url} exists and is not a batchctl dataset; refusing to replace it.")
-        return
-    output = paths.output
-    if not output.exists():
-        return
-    if output.is_dir() and (not any(output.iterdir()) or (output / "zarr.json").is_file()):
-        return
-    raise UsageError(f"OUTPUT {output} exists and is not a batchctl dataset; refusing to replace it.")
+def workdir(paths: BuildPaths) -> Workdir:
+    return RemoteWorkdir(paths) if paths.remote else LocalWorkdir(paths)
 
 
-def write_state(paths: BuildPaths, state: dict[str, Any]) -> None:
-    if paths.remote:  # one PUT: an object appears whole or not at all
-        paths.fs.pipe_file(storage.fs_path(f"{paths.workdir_url}/state.json"), json.dumps(state).encode())
-        return
-    tmp = paths.state.with_suffix(".tmp")
-    tmp.write_text(json.dumps(state, indent=2, sort_keys=True), encoding="utf-8")
-    os.replace(tmp, paths.state)
+class LocalWorkdir(Workdir):
+    """A private folder beside OUTPUT; the dataset is published by one atomic rename (an atomic
+    exchange when an older one is there)."""
 
+    def check(self) -> None:
+        self._check_private()
+        self._check_replaceable()
 
-def read_state(paths: BuildPaths) -> dict[str, Any] | None:
-    try:
-        if paths.remote:
-            state = json.loads(paths.fs.cat_file(storage.fs_path(f"{paths.workdir_url}/state.json")))
-        else:
-            state = json.loads(paths.state.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return state if isinstance(state, dict) else None
-
-
-def read_journal(paths: BuildPaths) -> list[dict[str, Any]]:
-    """The journal's lines, in order, up to a torn one: one per batch written
-    (`{"batch", "shard", "rows", "chunks", "files"}`) and one per shard finished (`{"shard_done"}`)."""
-    lines: list[dict[str, Any]] = []
-    try:
-        if paths.remote:
-            return [line for text in _remote_journal(paths) for line in json.loads(text)]
-        texts = paths.journal.read_text(encoding="utf-8").splitlines()
-    except (OSError, ValueError):
-        return lines
-    for text in texts:
+    def _check_private(self) -> None:
+        """Refuse a work folder that is not this user's, or that others could write into: its
+        journal and state decide what a build trusts and deletes, and OUTPUT may sit in a shared folder."""
+        workdir = self.paths.workdir
         try:
-            lines.append(json.loads(text))
-        except ValueError:
-            break
-    return lines
+            st = os.lstat(workdir)
+        except FileNotFoundError:
+            return
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+            raise UsageError(
+                f"{workdir} is not a private folder of yours (a build creates it with mode 0700); "
+                "batchctl will not trust or delete it: remove it yourself."
+            )
+        if st.st_mode & 0o077:  # ours, and nobody else could write into it (an older batchctl's): make it private
+            os.chmod(workdir, 0o700)
+
+    def _check_replaceable(self) -> None:
+        """Refuse to replace anything at OUTPUT but an empty folder or a batchctl dataset."""
+        output = self.paths.output
+        if not output.exists():
+            return
+        if output.is_dir() and (not any(output.iterdir()) or (output / "zarr.json").is_file()):
+            return
+        raise UsageError(f"OUTPUT {output} exists and is not a batchctl dataset; refusing to replace it.")
+
+    def start(self) -> None:
+        self.discard()
+        self.paths.workdir.mkdir(mode=0o700)
+
+    def discard(self) -> None:
+        shutil.rmtree(self.paths.workdir, ignore_errors=True)
+
+    def write_state(self, state: dict[str, Any]) -> None:
+        tmp = self.paths.state.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, indent=2, sort_keys=True), encoding="utf-8")
+        os.replace(tmp, self.paths.state)
+
+    def read_state(self) -> dict[str, Any] | None:
+        try:
+            state = json.loads(self.paths.state.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        return state if isinstance(state, dict) else None
+
+    def read_journal(self) -> list[dict[str, Any]]:
+        lines: list[dict[str, Any]] = []
+        try:
+            texts = self.paths.journal.read_text(encoding="utf-8").splitlines()
+        except (OSError, ValueError):
+            return lines
+        for text in texts:
+            try:
+                lines.append(json.loads(text))
+            except ValueError:
+                break
+        return lines
+
+    def append_journal(self, lines: list[dict[str, Any]]) -> None:
+        if lines:
+            self._write_lines(lines, "a")
+
+    def append_group(self, line: dict[str, Any]) -> None:
+        self._write_lines([line], "a")
+
+    def rewrite_journal(self, lines: list[dict[str, Any]]) -> None:
+        self._write_lines(lines, "w")
+
+    def _write_lines(self, lines: list[dict[str, Any]], mode: str) -> None:
+        with open(self.paths.journal, mode, encoding="utf-8") as journal:
+            journal.writelines(json.dumps(line) + "\n" for line in lines)
+            journal.flush()
+            os.fsync(journal.fileno())
+
+    def publish(self, record: bytes) -> None:
+        """Deleting the old dataset afterwards may be interrupted freely."""
+        paths = self.paths
+        staged = paths.workdir / "record"
+        with open(staged, "wb") as file:
+            file.write(record)
+            file.flush()
+            os.fsync(file.fileno())
+        with signals_ignored():
+            if not paths.output.exists():
+                os.rename(paths.staging, paths.output)
+            elif not _exchange(paths.staging, paths.output):
+                os.rename(paths.output, paths.workdir / "replaced.zarr")
+                os.rename(paths.staging, paths.output)
+            os.replace(staged, paths.record_url)
+            _fsync_dir(paths.output.parent)
+            paths.state.unlink(missing_ok=True)
+        self.discard()
 
 
-def _remote_journal(paths: BuildPaths) -> list[str]:
-    fs, where = paths.fs, storage.fs_path(paths.journal_url)
-    fs.invalidate_cache(where)  # other processes (the collator, Dask workers) wrote objects since
-    names = sorted(fs.ls(where, detail=False)) if fs.exists(where) else []
-    return [fs.cat_file(name).decode() for name in names]
+class RemoteWorkdir(Workdir):
+    """Objects under `.NAME.batchctl/` beside a URL OUTPUT. An object store has no rename and no
+    append: the dataset is written in place, its `complete` flag last; the journal is one object
+    per shard (or per Dask group), each appearing whole or not at all."""
 
+    def __init__(self, paths: BuildPaths) -> None:
+        super().__init__(paths)
+        self.fs = paths.fs
 
-def journal_key(paths: BuildPaths, shard: int) -> str:
-    """The object journaling shard `shard` of a URL OUTPUT (object stores cannot append)."""
-    return storage.fs_path(f"{paths.journal_url}/{shard:08d}.json")
+    def check(self) -> None:
+        """Refuse to replace anything at OUTPUT but an empty prefix or a batchctl dataset."""
+        where = storage.fs_path(self.paths.url)
+        if self.fs.exists(where) and self.fs.ls(where) and not self.fs.exists(f"{where}/zarr.json"):
+            raise UsageError(f"OUTPUT {self.paths.url} exists and is not a batchctl dataset; refusing to replace it.")
 
+    def start(self) -> None:
+        self.discard()
 
-def append_journal(paths: BuildPaths, lines: list[dict[str, Any]]) -> None:
-    """Append lines durably. A URL OUTPUT journals whole shards only: `lines` must end with the
-    shard's `shard_done`, and they become that shard's one journal object."""
-    if not lines:
-        return
-    if paths.remote:
-        paths.fs.pipe_file(journal_key(paths, lines[-1]["shard_done"]), json.dumps(lines).encode())
-        return
-    with open(paths.journal, "a", encoding="utf-8") as journal:
-        journal.writelines(json.dumps(line) + "\n" for line in lines)
-        journal.flush()
-        os.fsync(journal.fileno())
+    def discard(self) -> None:
+        where = storage.fs_path(self.paths.workdir_url)
+        if self.fs.exists(where):
+            self.fs.rm(where, recursive=True)
 
+    def _state_key(self) -> str:
+        return storage.fs_path(f"{self.paths.workdir_url}/state.json")
 
-def append_group_journal(paths: BuildPaths, line: dict[str, Any]) -> None:
-    """Journal one finished Dask group, `{"group", "full", "rows", "files"}` (on an object store,
-    as its own object, named to sort after the shards' objects)."""
-    if paths.remote:
-        where = storage.fs_path(f"{paths.journal_url}/g{line['group'] + 1:08d}.json")
-        paths.fs.pipe_file(where, json.dumps([line]).encode())
-        return
-    append_journal(paths, [line])
+    def write_state(self, state: dict[str, Any]) -> None:
+        self.fs.pipe_file(self._state_key(), json.dumps(state).encode())
 
+    def read_state(self) -> dict[str, Any] | None:
+        try:
+            state = json.loads(self.fs.cat_file(self._state_key()))
+        except (OSError, ValueError):
+            return None
+        return state if isinstance(state, dict) else None
 
-def rewrite_journal(paths: BuildPaths, lines: list[dict[str, Any]]) -> None:
-    """Keep only `lines` (what a resumed build trusts)."""
-    if paths.remote:
-        fs, where = paths.fs, storage.fs_path(paths.journal_url)
-        fs.invalidate_cache(where)
-        done = {line["shard_done"] for line in lines if "shard_done" in line}
-        keep = {journal_key(paths, shard) for shard in done} | {
-            storage.fs_path(f"{paths.journal_url}/g{line['group'] + 1:08d}.json") for line in lines if "group" in line
-        }
-        stale = [name for name in (fs.ls(where, detail=False) if fs.exists(where) else []) if name not in keep]
+    def read_journal(self) -> list[dict[str, Any]]:
+        try:
+            return [line for name in self._journal_objects() for line in json.loads(self.fs.cat_file(name))]
+        except (OSError, ValueError):
+            return []
+
+    def _journal_objects(self) -> list[str]:
+        where = storage.fs_path(self.paths.journal_url)
+        self.fs.invalidate_cache(where)  # other processes (the collator, Dask workers) wrote objects since
+        return sorted(self.fs.ls(where, detail=False)) if self.fs.exists(where) else []
+
+    def _shard_key(self, shard: int) -> str:
+        return storage.fs_path(f"{self.paths.journal_url}/{shard:08d}.json")
+
+    def _group_key(self, group: int) -> str:
+        """Named to sort after the shards' objects (the carry's group is -1)."""
+        return storage.fs_path(f"{self.paths.journal_url}/g{group + 1:08d}.json")
+
+    def append_journal(self, lines: list[dict[str, Any]]) -> None:
+        if lines:
+            self.fs.pipe_file(self._shard_key(lines[-1]["shard_done"]), json.dumps(lines).encode())
+
+    def append_group(self, line: dict[str, Any]) -> None:
+        self.fs.pipe_file(self._group_key(line["group"]), json.dumps([line]).encode())
+
+    def rewrite_journal(self, lines: list[dict[str, Any]]) -> None:
+        keep = {self._shard_key(line["shard_done"]) for line in lines if "shard_done" in line}
+        keep |= {self._group_key(line["group"]) for line in lines if "group" in line}
+        stale = [name for name in self._journal_objects() if name not in keep]
         if stale:
-            fs.rm(stale)
-        return
-    with open(paths.journal, "w", encoding="utf-8") as journal:
-        journal.writelines(json.dumps(line) + "\n" for line in lines)
-        journal.flush()
-        os.fsync(journal.fileno())
+            self.fs.rm(stale)
+
+    def publish(self, record: bytes) -> None:
+        """The dataset was written in place and is complete already: its record is sent, the
+        work objects go."""
+        with signals_ignored():
+            self.fs.pipe_file(storage.fs_path(self.paths.record_url), record)
+        self.discard()
 
 
 @dataclass(frozen=True)
@@ -287,21 +397,6 @@ def resolve_journal(lines: list[dict[str, Any]], batch_size: int) -> Journaled:
     return Journaled(batches, partial, done)
 
 
-def discard(paths: BuildPaths) -> None:
-    if paths.remote:
-        fs, where = paths.fs, storage.fs_path(paths.workdir_url)
-        if fs.exists(where):
-            fs.rm(where, recursive=True)
-        return
-    shutil.rmtree(paths.workdir, ignore_errors=True)
-
-
-def start_workdir(paths: BuildPaths) -> None:
-    discard(paths)
-    if not paths.remote:
-        paths.workdir.mkdir(mode=0o700)
-
-
 def _exchange(a: Path, b: Path) -> bool:
     """Atomically swap two paths with renameat2(RENAME_EXCHANGE); False where unsupported."""
     try:
@@ -316,37 +411,6 @@ def _exchange(a: Path, b: Path) -> bool:
     if ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
         return False
     raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()), str(b))
-
-
-def move_into_place(paths: BuildPaths, record: bytes) -> None:
-    """Publish the staging dataset at OUTPUT and its `record`, then drop the work folder (and any
-    old dataset).
-
-    SIGINT/SIGTERM wait until the dataset and its record are in place and the work folder can no
-    longer be taken for an interrupted build (its state file is gone): stopping half-way through
-    these few renames would leave them in doubt. Deleting the old dataset may be interrupted freely.
-    A URL OUTPUT was written in place and is complete already: its record is sent, its work objects go.
-    """
-    if paths.remote:
-        with signals_ignored():
-            paths.fs.pipe_file(storage.fs_path(paths.record_url), record)
-        discard(paths)
-        return
-    staged = paths.workdir / "record"
-    with open(staged, "wb") as file:
-        file.write(record)
-        file.flush()
-        os.fsync(file.fileno())
-    with signals_ignored():
-        if not paths.output.exists():
-            os.rename(paths.staging, paths.output)
-        elif not _exchange(paths.staging, paths.output):
-            os.rename(paths.output, paths.workdir / "replaced.zarr")
-            os.rename(paths.staging, paths.output)
-        os.replace(staged, paths.record_url)
-        _fsync_dir(paths.output.parent)
-        paths.state.unlink(missing_ok=True)
-    discard(paths)
 
 
 def _fsync_dir(directory: Path) -> None:
