@@ -420,7 +420,9 @@ class _Builder:
         engine's collator appends, and only to a local file (an object is written whole)."""
         return self.options.engine == "local" and not self.paths.remote
 
-    def _tail_chunks(self, arrays: Mapping[str, zarr.Array], shard: int, shard_batches: int) -> dict[str, list[Any]]:
+    def _tail_chunks(
+        self, arrays: Mapping[str, zarr.Array[Any]], shard: int, shard_batches: int
+    ) -> dict[str, list[Any]]:
         """(offset, nbytes) of each chunk of a copied shard file of each array, from its index."""
         from batchctl import format as fmt
 
@@ -550,7 +552,7 @@ class _Builder:
         groups = [line for line in lines if "group" in line and present(line)]
         return staging.Journaled(seeded.batches, None, seeded.done_shards, groups)
 
-    def _decodes(self, arrays: Mapping[str, zarr.Array], partial: dict[str, Any]) -> bool:
+    def _decodes(self, arrays: Mapping[str, zarr.Array[Any]], partial: dict[str, Any]) -> bool:
         """The half-filled batch reads back whole from its shard files (local OUTPUT only)."""
         from batchctl import format as fmt
         from batchctl.shards import read_chunk
@@ -750,7 +752,7 @@ def _copy_dataset_shards(fs: Any, root: str, dest: str, group: zarr.Group | None
         _copy_shard(fs, arrays, f"{root}/", shard, f"{dest}/", shard)
 
 
-def _copy_shard(fs: Any, arrays: Mapping[str, zarr.Array], src: str, old: int, dest: str, new: int) -> None:
+def _copy_shard(fs: Any, arrays: Mapping[str, zarr.Array[Any]], src: str, old: int, dest: str, new: int) -> None:
     """Copy shard `old` of every array to shard `new` (server-side on an object store)."""
     from batchctl import format as fmt
 

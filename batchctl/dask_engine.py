@@ -158,7 +158,7 @@ def plan_compaction(full: list[int], spill_rows: int, shard_rows: int) -> Compac
     return Compaction(moves, rest, total)
 
 
-def move_shard(paths: BuildPaths, arrays: Mapping[str, zarr.Array], source: int, target: int) -> None:
+def move_shard(paths: BuildPaths, arrays: Mapping[str, zarr.Array[Any]], source: int, target: int) -> None:
     """Move one whole shard's objects (their bytes do not depend on where the shard sits)."""
     fs, root = storage.locate(paths.staging_url, paths.storage_options)
     for name, arr in arrays.items():
@@ -252,11 +252,11 @@ class DaskRun:
         threads = max(1, sum(client.nthreads().values()))
         batches = -(-sum(_expected_rows(task) for task in tasks) // self.job.batch_size)
         spread = max(fmt.MIN_SHARD_BATCHES, -(-batches // (4 * threads)))
-        return min(fmt.default_shard_batches(self.job.batch_size, schema), spread)
+        return int(min(fmt.default_shard_batches(self.job.batch_size, schema), spread))
 
     def _arrays(
         self, tasks: list[Task], schema: dict[str, fmt.FieldSpec], rows: dict[str, np.ndarray], client: Any
-    ) -> tuple[dict[str, zarr.Array], fmt.Layout]:
+    ) -> tuple[dict[str, zarr.Array[Any]], fmt.Layout]:
         """The staging arrays: there already (their layout stands), or created now."""
         arrays = fmt.open_arrays(self.group)
         if arrays:
@@ -378,7 +378,7 @@ class DaskRun:
         finally:
             client.cancel(futures)
 
-    def _compact(self, arrays: Mapping[str, zarr.Array], layout: fmt.Layout, done: list[dict[str, Any]]) -> int:
+    def _compact(self, arrays: Mapping[str, zarr.Array[Any]], layout: fmt.Layout, done: list[dict[str, Any]]) -> int:
         """Make the shards contiguous; the dataset's number of samples."""
         full = list(range(self.job.base)) + sorted(self._shard_of(int(g["group"])) for g in done if g["full"])
         spilled = sorted((g for g in done if not g["full"] and g["rows"]), key=lambda g: int(g["group"]))

@@ -156,7 +156,7 @@ def create_arrays(
     labelled: bool,
     source_bytes: int,
     rows: Mapping[str, np.ndarray] | None = None,
-) -> dict[str, zarr.Array]:
+) -> dict[str, zarr.Array[Any]]:
     """Create every array empty (shape 0): the collator appends batches to shards
     (`batchctl.shards`) and sets the length last; the Dask engine sizes them first (`write_shard_at`).
     `source_bytes` is the `source` array's width; `rows`, the first rows of each field, are what
@@ -190,12 +190,12 @@ def dimension_names(name: str, ndim: int) -> list[str]:
     return [f"{name}_dim{i}" for i in range(ndim)]
 
 
-def open_arrays(group: zarr.Group) -> dict[str, zarr.Array]:
+def open_arrays(group: zarr.Group) -> dict[str, zarr.Array[Any]]:
     # the config is not stored with the array: give it again to every array that may be written
     return {name: arr.with_config(WRITE_CONFIG) for name, arr in group.arrays()}
 
 
-def open_dataset_arrays(group: zarr.Group, attrs: DatasetAttrs, where: str) -> dict[str, zarr.Array]:
+def open_dataset_arrays(group: zarr.Group, attrs: DatasetAttrs, where: str) -> dict[str, zarr.Array[Any]]:
     """The arrays of a dataset being read, each one the attributes promise (a field whose
     `zarr.json` is gone would silently vanish from every row), all of one length."""
     expected = [*attrs.fields, SOURCE_INDEX, SOURCE] + ([LABEL] if attrs.classes is not None else [])
@@ -223,14 +223,14 @@ def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
-def stored_column(arr: zarr.Array, name: str, column: Any) -> np.ndarray:
+def stored_column(arr: zarr.Array[Any], name: str, column: Any) -> np.ndarray:
     """A column as its array stores it: `source` paths (strings) as their UTF-8 bytes."""
     if name == SOURCE and np.asarray(column).dtype.kind in "OUT":
         return encode_sources(column, int(arr.shape[1]))
     return np.asarray(column)
 
 
-def _write_whole_shard(arr: zarr.Array, layout: Layout, shard_index: int, data: np.ndarray) -> None:
+def _write_whole_shard(arr: zarr.Array[Any], layout: Layout, shard_index: int, data: np.ndarray) -> None:
     """Encode and store one whole shard ourselves (`ChunkEncoder`): zarr-python 3.1 reads the old
     shard back and assembles the new one in several copies, which cost more than compressing it."""
     encoder = ChunkEncoder.for_array(arr)
@@ -246,7 +246,7 @@ def _write_whole_shard(arr: zarr.Array, layout: Layout, shard_index: int, data: 
     store_object(arr, shard_key(arr, shard_index), [*pieces, *shard_index_bytes(entries, layout.shard_batches)])
 
 
-def store_object(arr: zarr.Array, key: str, pieces: list[Any]) -> None:
+def store_object(arr: zarr.Array[Any], key: str, pieces: list[Any]) -> None:
     """Write one whole object of an array: a local file atomically, an object store by one PUT."""
     if isinstance(arr.store, zarr.storage.LocalStore):
         _write_atomically(Path(arr.store.root) / key, pieces)
@@ -274,7 +274,7 @@ class ChunkEncoder:
     checksum, or blosc then crc32c, or the raw little-endian bytes then crc32c. A short last
     batch is padded with the fill value, as zarr does. zstd, blosc and crc32c release the GIL."""
 
-    def __init__(self, arr: zarr.Array, inner: list[dict[str, Any]]) -> None:
+    def __init__(self, arr: zarr.Array[Any], inner: list[dict[str, Any]]) -> None:
         self.chunk_shape = tuple(int(n) for n in arr.chunks)
         self.dtype = np.dtype(arr.dtype)
         self.fill = arr.fill_value
@@ -297,7 +297,7 @@ class ChunkEncoder:
         self.crc = names[-1] == "crc32c"
 
     @classmethod
-    def for_array(cls, arr: zarr.Array) -> ChunkEncoder:
+    def for_array(cls, arr: zarr.Array[Any]) -> ChunkEncoder:
         inner = own_codecs(arr)
         if inner is None:
             raise FormatError(f"{arr.path}: not a layout batchctl writes (docs/format.md)")
@@ -351,7 +351,7 @@ def _crc32c_bytes(data: Any) -> bytes:
 
 
 def write_shard_at(
-    arrays: Mapping[str, zarr.Array], layout: Layout, shard_index: int, columns: Mapping[str, np.ndarray]
+    arrays: Mapping[str, zarr.Array[Any]], layout: Layout, shard_index: int, columns: Mapping[str, np.ndarray]
 ) -> None:
     """Write shard `shard_index` whole into arrays already long enough to hold it: no metadata
     write, so several processes may each write their own shards at once (the Dask engine)."""
@@ -363,7 +363,7 @@ def write_shard_at(
         _write_whole_shard(arr, layout, shard_index, data)
 
 
-def remove_shards_from(arrays: Mapping[str, zarr.Array], fs: Any, root: str, first: int) -> None:
+def remove_shards_from(arrays: Mapping[str, zarr.Array[Any]], fs: Any, root: str, first: int) -> None:
     """Delete every shard file numbered `first` or more (resuming drops what the journal does not
     vouch for). `fs` is the fsspec filesystem holding the dataset at `root`."""
     for name in arrays:
@@ -375,18 +375,18 @@ def remove_shards_from(arrays: Mapping[str, zarr.Array], fs: Any, root: str, fir
                 fs.rm(stale, recursive=True)
 
 
-def shard_keys(arrays: Mapping[str, zarr.Array], shard_index: int) -> list[str]:
+def shard_keys(arrays: Mapping[str, zarr.Array[Any]], shard_index: int) -> list[str]:
     """The keys, relative to the dataset root, of the objects holding shard `shard_index` of each
     array (for fsync before journaling, and for verify)."""
     return [f"{arr.path}/{_shard_key(arr, shard_index)}" for arr in arrays.values()]
 
 
-def shard_key(arr: zarr.Array, shard_index: int) -> str:
+def shard_key(arr: zarr.Array[Any], shard_index: int) -> str:
     """The key of shard `shard_index` of `arr`, relative to the dataset root."""
     return f"{arr.path}/{_shard_key(arr, shard_index)}"
 
 
-def _shard_key(arr: zarr.Array, shard_index: int) -> str:
+def _shard_key(arr: zarr.Array[Any], shard_index: int) -> str:
     return str(arr.metadata.encode_chunk_key((shard_index,) + (0,) * (arr.ndim - 1)))
 
 
@@ -443,7 +443,7 @@ def open_group(
 _INNER_CODECS = (["bytes", "zstd"], ["bytes", "blosc", "crc32c"], ["bytes", "crc32c"])
 
 
-def own_codecs(arr: zarr.Array) -> list[dict[str, Any]] | None:
+def own_codecs(arr: zarr.Array[Any]) -> list[dict[str, Any]] | None:
     """The inner codecs of `arr` when its layout is the one batchctl writes and decodes itself
     (`ChunkReader`, `ChunkEncoder`), else None:
     `sharding_indexed` with the index at the end (little-endian uint64 offset/nbytes pairs plus
@@ -480,7 +480,7 @@ class RowReader:
     chunk by chunk straight from a local dataset's shard files (`ChunkReader`, several times
     zarr-python's speed), through zarr otherwise."""
 
-    def __init__(self, location: str, arrays: Mapping[str, zarr.Array]) -> None:
+    def __init__(self, location: str, arrays: Mapping[str, zarr.Array[Any]]) -> None:
         self.arrays = arrays
         self.root = None if storage.is_url(location) else DatasetRoot(Path(location))
         self.readers = {
@@ -552,7 +552,7 @@ class ChunkReader:
     is checked. `for_array` returns None for any other layout, and the caller then uses zarr.
     """
 
-    def __init__(self, root: DatasetRoot, arr: zarr.Array, inner: list[dict[str, Any]]) -> None:
+    def __init__(self, root: DatasetRoot, arr: zarr.Array[Any], inner: list[dict[str, Any]]) -> None:
         self.root = root
         self.arr = arr
         self.chunk_shape = tuple(int(n) for n in arr.chunks)
@@ -563,7 +563,7 @@ class ChunkReader:
         self._lock = threading.Lock()
 
     @classmethod
-    def for_array(cls, root: DatasetRoot, arr: zarr.Array) -> ChunkReader | None:
+    def for_array(cls, root: DatasetRoot, arr: zarr.Array[Any]) -> ChunkReader | None:
         inner = own_codecs(arr)
         return None if inner is None else cls(root, arr, inner)
 

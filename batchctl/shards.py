@@ -22,7 +22,7 @@ Chunk = tuple[int, int]  # (offset, nbytes) of one encoded chunk in its shard
 class OpenShard:
     """One array's shard being filled: `append` a batch, `finish` with the index."""
 
-    def __init__(self, arr: zarr.Array, shard_index: int, local_root: Path | None, chunks: list[Chunk]) -> None:
+    def __init__(self, arr: zarr.Array[Any], shard_index: int, local_root: Path | None, chunks: list[Chunk]) -> None:
         self.arr = arr
         self.key = fmt.shard_key(arr, shard_index)
         self.chunks = list(chunks)  # already there (resumed), in order
@@ -85,7 +85,7 @@ def _pwritev_all(fd: int, pieces: list[Any], offset: int) -> None:
             views[0] = views[0][written:]
 
 
-def read_chunk(arr: zarr.Array, shard_index: int, local_root: Path, chunk: Chunk) -> bytes:
+def read_chunk(arr: zarr.Array[Any], shard_index: int, local_root: Path, chunk: Chunk) -> bytes:
     """The stored bytes of one chunk of a local shard file (a half-filled batch being resumed)."""
     with open(local_root / fmt.shard_key(arr, shard_index), "rb") as file:
         file.seek(chunk[0])

@@ -371,7 +371,7 @@ class Journaled:
 
 def _last_of_shard(batch: dict[str, Any], batches: list[dict[str, Any]]) -> bool:
     following = batch["batch"] + 1
-    return following >= len(batches) or batches[following]["shard"] != batch["shard"]
+    return bool(following >= len(batches) or batches[following]["shard"] != batch["shard"])
 
 
 def resolve_journal(lines: list[dict[str, Any]], batch_size: int) -> Journaled:

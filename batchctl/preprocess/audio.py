@@ -50,7 +50,7 @@ def count_clips(path: Path, sample_rate: int = 16000, clip_seconds: float = 1.0)
     import soundfile as sf
 
     info = sf.info(str(path))
-    return math.ceil(info.frames / _frames_per_clip(info.samplerate, clip_seconds))
+    return int(math.ceil(info.frames / _frames_per_clip(info.samplerate, clip_seconds)))
 
 
 PREPROCESSOR = Preprocessor(

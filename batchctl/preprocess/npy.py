@@ -28,11 +28,13 @@ def load_array(path: Path, key: str | None = None) -> np.ndarray:
                 key = names[0]
             if key not in names:
                 raise KeyError(f"no array {key!r} in the archive (it holds {', '.join(names)})")
-            return archive[key]
+            array: np.ndarray = archive[key]
+            return array
     with open(path, "rb") as file:  # one open for the size and the bytes: tiny files count
         if os.fstat(file.fileno()).st_size < MMAP_BYTES:
             return read_small_npy(file.read())
-    return np.load(path, mmap_mode="r", allow_pickle=False)
+    mapped: np.ndarray = np.load(path, mmap_mode="r", allow_pickle=False)
+    return mapped
 
 
 def read_small_npy(data: bytes) -> np.ndarray:
