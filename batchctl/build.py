@@ -14,8 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from batchctl import incremental, staging, storage
-from batchctl import metadata as meta
+from batchctl import incremental, metadata as meta, staging, storage
 from batchctl.discover import Discovery, discover, hash_files
 from batchctl.errors import (
     BuildFailed,

@@ -26,8 +26,7 @@ from typing import Any
 import numpy as np
 import zarr
 
-from batchctl import format as fmt
-from batchctl import shards, staging, storage
+from batchctl import format as fmt, shards, staging, storage
 from batchctl.mpinternals import queue_reader
 from batchctl.preprocess import Sample
 from batchctl.processes import init_child

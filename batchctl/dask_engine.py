@@ -20,8 +20,7 @@ from typing import Any
 import numpy as np
 import zarr
 
-from batchctl import format as fmt
-from batchctl import staging, storage
+from batchctl import format as fmt, staging, storage
 from batchctl.collate import check_schema
 from batchctl.errors import PipelineError, UsageError
 from batchctl.preprocess import Preprocessor, resolve

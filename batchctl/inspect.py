@@ -9,8 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from batchctl import format as fmt
-from batchctl import storage
+from batchctl import format as fmt, storage
 from batchctl.reader import Dataset
 
 

@@ -15,8 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.utils.data import Dataset as TorchDataset
-from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data import Dataset as TorchDataset, IterableDataset, get_worker_info
 
 from batchctl.reader import Batch, Dataset
 
