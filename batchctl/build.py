@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
 from batchctl import incremental, metadata as meta, staging, storage
 from batchctl.discover import Discovery, discover, hash_files
@@ -117,11 +117,32 @@ def dataset_spec(options: BuildOptions, preprocessor: Preprocessor, pp_options: 
     }
 
 
+class BuildKwargs(TypedDict, total=False):
+    """`build()`'s keyword arguments: the fields of `BuildOptions` (a test keeps the two alike)."""
+
+    batch_size: int
+    workers: int
+    preprocess: str
+    preprocess_options: Mapping[str, object]
+    seed: int | None
+    shard_batches: int | None
+    compression: str
+    max_errors: int | None
+    resume: bool
+    force: bool
+    checksum: bool
+    timeout: float | None
+    include: tuple[str, ...]
+    storage_options: Mapping[str, object]
+    engine: str
+    scheduler: str | None
+
+
 def build(
     source: str | os.PathLike[str],
     output: str | os.PathLike[str] | None = None,
     progress: Progress | None = None,
-    **options: Any,
+    **options: Unpack[BuildKwargs],
 ) -> BuildReport:
     """Preprocess every file under `source` into the sharded dataset `output` (by default SOURCE's
     name plus `.zarr`, beside it).

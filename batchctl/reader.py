@@ -29,7 +29,7 @@ class Dataset:
         self,
         path: str | os.PathLike[str],
         allow_partial: bool = False,
-        storage_options: Mapping[str, Any] | None = None,
+        storage_options: Mapping[str, object] | None = None,
     ) -> None:
         self.path = storage.normalise(path)
         self.storage_options = dict(storage_options or {})
@@ -113,7 +113,7 @@ class Dataset:
         if root is not None:
             root.close()
 
-    def sample(self, index: int) -> dict[str, Any]:
+    def sample(self, index: int) -> dict[str, np.ndarray | str]:
         """Row `index` of every array (read through its batch, with the batch's checks)."""
         if not 0 <= index < self.num_samples:
             raise IndexError(f"sample {index} out of range: the dataset has {self.num_samples} samples")
@@ -177,7 +177,7 @@ class Dataset:
 
 
 def open(  # noqa: A001 - the public name
-    path: str | os.PathLike[str], allow_partial: bool = False, storage_options: Mapping[str, Any] | None = None
+    path: str | os.PathLike[str], allow_partial: bool = False, storage_options: Mapping[str, object] | None = None
 ) -> Dataset:
     """Open a complete dataset, a local path or a URL (s3://...); `allow_partial=True` also opens
     one whose build did not finish. `storage_options` go to the URL's fsspec filesystem."""

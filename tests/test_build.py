@@ -303,3 +303,11 @@ def test_python_api_works_from_a_thread(image_folder: Path, tmp_path: Path) -> N
     worker.start()
     worker.join(120)
     assert reports and reports[0].status == "complete" and reports[0].samples == 20
+
+
+def test_build_takes_as_keywords_exactly_the_build_options() -> None:
+    import dataclasses
+
+    from batchctl.build import BuildKwargs, BuildOptions
+
+    assert set(BuildKwargs.__annotations__) == {f.name for f in dataclasses.fields(BuildOptions)}
