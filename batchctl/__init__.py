@@ -14,8 +14,8 @@ from batchctl.version import __version__ as __version__
 _EXPORTS = {
     "build": "batchctl.build",
     "BuildOptions": "batchctl.build",
-    "open": "batchctl.reader",
-    "Dataset": "batchctl.reader",
+    "open": "batchctl.read.reader",
+    "Dataset": "batchctl.read.reader",
     "BuildReport": "batchctl.report",
     "BatchctlError": "batchctl.errors",
     "BuildFailed": "batchctl.errors",
@@ -58,7 +58,7 @@ if TYPE_CHECKING:
         ResumeMismatchError,
         UsageError,
     )
-    from batchctl.reader import Dataset, open
+    from batchctl.read.reader import Dataset, open
     from batchctl.report import BuildReport
 
 

@@ -14,8 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
-from batchctl import incremental, metadata as meta, staging, storage
-from batchctl.discover import Discovery, discover, hash_files
 from batchctl.errors import (
     BuildFailed,
     BuildInterrupted,
@@ -28,10 +26,9 @@ from batchctl.errors import (
     signal_handled,
     signalled_in,
 )
-from batchctl.lock import BuildLock
-from batchctl.pipeline import Pipeline, PipelineConfig
+from batchctl.plan import incremental
+from batchctl.plan.discover import Discovery, discover, hash_files
 from batchctl.preprocess import Preprocessor, resolve
-from batchctl.processes import signals_raise, start_forkserver, sweep_dead_builds
 from batchctl.progress import Progress
 from batchctl.records import (
     Finished,
@@ -42,15 +39,20 @@ from batchctl.records import (
     describe_error,
 )
 from batchctl.report import BuildReport, Changes, FileError
-from batchctl.staging import BuildPaths
-from batchctl.storage import SourceRoot
+from batchctl.run import staging
+from batchctl.run.lock import BuildLock
+from batchctl.run.pipeline import Pipeline, PipelineConfig
+from batchctl.run.processes import signals_raise, start_forkserver, sweep_dead_builds
+from batchctl.run.staging import BuildPaths
+from batchctl.run.writeplan import Carry, CollatorConfig, ResumePoint
+from batchctl.store import metadata as meta, storage
+from batchctl.store.storage import SourceRoot
 from batchctl.version import __version__
-from batchctl.writeplan import Carry, CollatorConfig, ResumePoint
 
 if TYPE_CHECKING:
     import zarr
 
-# The Zarr stack (zarr, batchctl.format) is imported by the methods that touch the arrays, not
+# The Zarr stack (zarr, batchctl.store.format) is imported by the methods that touch the arrays, not
 # here: a rerun that finds OUTPUT up to date never loads it (it reads `zarr.json` as JSON).
 
 PART_BYTES = 16 * 2**20  # big files are split into parts of about this much input
@@ -251,7 +253,7 @@ class _Builder:
         return self._complete(discovery, fingerprint, finished)
 
     def _run_dask(self, discovery: Discovery, fingerprint: str, tasks: list[Task]) -> BuildReport:
-        from batchctl.dask_engine import DaskJob, DaskRun
+        from batchctl.run.dask_engine import DaskJob, DaskRun
 
         self.progress.start(len(tasks), self.resumed_batches, any(task.part for task in tasks))
         job = DaskJob(
@@ -314,7 +316,7 @@ class _Builder:
         (incrementally), else start a fresh staging dataset."""
         import zarr
 
-        from batchctl import format as fmt
+        from batchctl.store import format as fmt
 
         state = self.work.read_state()
         if state is not None and self.options.resume:
@@ -380,7 +382,7 @@ class _Builder:
         where it moves shards in place, the next run builds everything)."""
         import zarr
 
-        from batchctl import format as fmt
+        from batchctl.store import format as fmt
 
         fs, root = storage.locate(self.output, self.options.storage_options)
         carry_from = self.output
@@ -444,7 +446,7 @@ class _Builder:
         self, arrays: Mapping[str, zarr.Array[Any]], shard: int, shard_batches: int
     ) -> dict[str, list[Any]]:
         """(offset, nbytes) of each chunk of a copied shard file of each array, from its index."""
-        from batchctl import format as fmt
+        from batchctl.store import format as fmt
 
         return {
             name: fmt.read_shard_index(self.paths.staging / fmt.shard_key(arr, shard), shard_batches)
@@ -517,7 +519,7 @@ class _Builder:
         past the last kept batch's shard are deleted."""
         import zarr
 
-        from batchctl import format as fmt
+        from batchctl.store import format as fmt
 
         group = zarr.open_group(self.paths.staging_url, mode="r+", **self.paths.zarr_kwargs())
         arrays = fmt.open_arrays(group)
@@ -553,7 +555,7 @@ class _Builder:
         shards) and the groups it finished whose shard or spill object is really there."""
         import zarr
 
-        from batchctl import format as fmt
+        from batchctl.store import format as fmt
 
         lines = self.work.read_journal()
         seeded = staging.resolve_journal(lines, self.options.batch_size)
@@ -574,8 +576,8 @@ class _Builder:
 
     def _decodes(self, arrays: Mapping[str, zarr.Array[Any]], partial: dict[str, Any]) -> bool:
         """The half-filled batch reads back whole from its shard files (local OUTPUT only)."""
-        from batchctl import format as fmt
-        from batchctl.shards import read_chunk
+        from batchctl.store import format as fmt
+        from batchctl.store.shards import read_chunk
 
         if self.paths.remote:
             return False
@@ -621,7 +623,7 @@ class _Builder:
         for a Dask build, whose rows the client moved about, read from its `source` columns."""
         import zarr
 
-        from batchctl import format as fmt
+        from batchctl.store import format as fmt
 
         stamps = {item.relpath: item for item in discovery.items}
         if self.options.engine == "local":
@@ -654,7 +656,7 @@ class _Builder:
         import numpy as np
         import zarr
 
-        from batchctl import format as fmt
+        from batchctl.store import format as fmt
 
         group = zarr.open_group(self.paths.staging_url, mode="r", **self.paths.zarr_kwargs())
         arrays = fmt.open_arrays(group)
@@ -723,7 +725,7 @@ class _Builder:
         """Mark the staging dataset complete (its last write), then move it and its record into place."""
         import zarr
 
-        from batchctl import format as fmt
+        from batchctl.store import format as fmt
 
         group = zarr.open_group(self.paths.staging_url, mode="r+", **self.paths.zarr_kwargs())
         fmt.write_attrs(group, self._attrs(discovery, fingerprint, finished))
@@ -759,7 +761,7 @@ def _copy_dataset_shards(fs: Any, root: str, dest: str, group: zarr.Group | None
     the files of `shards` to `dest`: a dataset that reads those shards as the original did."""
     import zarr
 
-    from batchctl import format as fmt
+    from batchctl.store import format as fmt
 
     old = group if group is not None else zarr.open_group(root, mode="r")
     arrays = fmt.open_arrays(old)
@@ -774,7 +776,7 @@ def _copy_dataset_shards(fs: Any, root: str, dest: str, group: zarr.Group | None
 
 def _copy_shard(fs: Any, arrays: Mapping[str, zarr.Array[Any]], src: str, old: int, dest: str, new: int) -> None:
     """Copy shard `old` of every array to shard `new` (server-side on an object store)."""
-    from batchctl import format as fmt
+    from batchctl.store import format as fmt
 
     for arr in arrays.values():
         target = dest + fmt.shard_key(arr, new)

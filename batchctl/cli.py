@@ -27,7 +27,7 @@ from batchctl.errors import (
 )
 from batchctl.progress import ConsoleProgress
 from batchctl.report import BuildReport, count_of
-from batchctl.storage import parse_storage_options
+from batchctl.store.storage import parse_storage_options
 from batchctl.version import __version__
 
 EXIT_CODES = """Exit codes: 0 success or up to date; 1 failed build; 2 usage error;
@@ -224,7 +224,7 @@ def info(
     storage_option: Annotated[Optional[list[str]], STORAGE_OPTION] = None,
 ) -> None:
     """Show counts, fields, layout, compression, size on disk, classes and build options."""
-    from batchctl.inspect import info as read_info
+    from batchctl.read.inspect import info as read_info
 
     try:
         data = read_info(path, parse_storage_options(storage_option or []))
@@ -276,8 +276,8 @@ def verify(
     """Read every chunk of every array: checksums, shapes, counts, unique sources. Exit 1 on any problem."""
     from tqdm import tqdm
 
-    from batchctl.inspect import verify as run_verify
-    from batchctl.reader import open as open_dataset
+    from batchctl.read.inspect import verify as run_verify
+    from batchctl.read.reader import open as open_dataset
 
     try:
         storage_options = parse_storage_options(storage_option or [])
@@ -302,7 +302,7 @@ def preview(
     count: Annotated[int, typer.Option(help="How many samples of it.", min=1)] = 16,
 ) -> None:
     """Draw samples of one batch into a PNG grid, captioned with their class (or file) names."""
-    from batchctl.preview import preview as draw_preview
+    from batchctl.read.preview import preview as draw_preview
 
     try:
         _check_writable_destination(output, "-o")

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset as TorchDataset, IterableDataset, get_worker_info
 
-from batchctl.reader import Batch, Dataset
+from batchctl.read.reader import Batch, Dataset
 
 
 def to_torch(batch: Batch) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import zarr
 from PIL import Image
 
 import batchctl
-from batchctl import format as fmt
+from batchctl.store import format as fmt
 from tests.conftest import run_cli
 from tests.reference import mean_abs_diff, torchvision_reference
 

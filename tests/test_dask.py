@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import batchctl
-from batchctl.dask_engine import plan_compaction
-from batchctl.inspect import verify
+from batchctl.read.inspect import verify
+from batchctl.run.dask_engine import plan_compaction
 from batchctl.synthetic import make_image_folder
 from tests.test_build import image_files
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import batchctl
-from batchctl.inspect import verify
+from batchctl.read.inspect import verify
 from tests.conftest import (
     PLUGINS,
     kill_group,

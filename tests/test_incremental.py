@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import batchctl
-from batchctl.inspect import verify
+from batchctl.read.inspect import verify
 from batchctl.synthetic import make_image_folder, photo
 
 from .conftest import PLUGINS, kill_group, run_cli, start_cli, wait_for, wait_group_gone

@@ -64,3 +64,36 @@ def test_the_shared_records_sit_at_the_bottom() -> None:
     graph = import_graph()
     assert graph["batchctl.records"] == set() and graph["batchctl.report"] == set()
     assert graph["batchctl.errors"] <= {"batchctl.report"}  # BuildFailed carries the report
+
+
+# The folders are the layers; a module imports only from its own folder or from a lower layer.
+LAYERS = {
+    "__main__": 4, "batchctl": 4, "cli": 4, "torch": 4,  # entry points
+    "build": 3,  # the public build API: plans a build, runs it, publishes it
+    "run": 2, "plan": 2, "read": 2,  # the processes of a build; what to build; reading a dataset
+    "preprocess": 1, "store": 1, "progress": 1,  # per-file functions; the on-disk format and storage
+    "records": 0, "errors": 0, "report": 0, "version": 0, "synthetic": 0,  # shared types, test data
+}  # fmt: skip
+
+
+def layer_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def _upward(source: int, target: int) -> bool:
+    """An import that does not go down; within the top and the bottom layer (single modules, not
+    folders) imports go sideways too, and the cycle test keeps them one way."""
+    return target > source or (target == source and source not in (0, max(LAYERS.values())))
+
+
+def test_the_folders_are_layers_imported_downwards() -> None:
+    graph = import_graph()
+    assert {layer_of(name) for name in graph} <= set(LAYERS), "a new top-level module needs a layer"
+    upward = [
+        f"{name} -> {target}"
+        for name, targets in graph.items()
+        for target in targets
+        if layer_of(name) != layer_of(target) and _upward(LAYERS[layer_of(name)], LAYERS[layer_of(target)])
+    ]
+    assert upward == []

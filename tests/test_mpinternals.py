@@ -1,4 +1,4 @@
-"""The private parts of CPython's multiprocessing that batchctl leans on (`batchctl.mpinternals`),
+"""The private parts of CPython's multiprocessing that batchctl leans on (`batchctl.run.mpinternals`),
 each exercised, so a Python release that changes one fails here first; and the /dev/shm sweep."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from batchctl.mpinternals import name_semaphores_after, pool_workers, shut_down_pool
-from batchctl.processes import mp_context, sweep_dead_builds
 from batchctl.records import Task, TaskOutput, WorkItem
-from batchctl.ring import SampleRing
+from batchctl.run.mpinternals import name_semaphores_after, pool_workers, shut_down_pool
+from batchctl.run.processes import mp_context, sweep_dead_builds
+from batchctl.run.ring import SampleRing
 
 SHM = Path("/dev/shm")
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import batchctl
-from batchctl.inspect import verify
+from batchctl.read.inspect import verify
 from batchctl.synthetic import make_image_folder
 from tests.test_build import image_files
 

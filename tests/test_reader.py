@@ -10,8 +10,8 @@ import pytest
 from PIL import Image
 
 import batchctl
-from batchctl import format as fmt
-from batchctl.inspect import verify
+from batchctl.read.inspect import verify
+from batchctl.store import format as fmt
 from tests.conftest import run_cli
 
 

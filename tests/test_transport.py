@@ -11,11 +11,11 @@ import pytest
 import zarr
 
 import batchctl
-from batchctl import format as fmt
-from batchctl.processes import mp_context
 from batchctl.records import Task, TaskOutput, WorkItem
-from batchctl.ring import SampleRing
-from batchctl.workers import WorkerSlots
+from batchctl.run.processes import mp_context
+from batchctl.run.ring import SampleRing
+from batchctl.run.workers import WorkerSlots
+from batchctl.store import format as fmt
 
 
 def output(rows: int, seed: int, name: str = "x") -> TaskOutput:

@@ -9,7 +9,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from batchctl.errors import BatchctlError
-from batchctl.reader import Dataset
+from batchctl.read.reader import Dataset
 
 TILE = 160
 LABEL_H = 16

@@ -2,7 +2,7 @@
 
 For OUTPUT `dir/data.zarr` a build works in `dir/.data.zarr.batchctl/` (the staging dataset,
 its journal and the options it was started with) and holds `dir/.data.zarr.batchctl.lock`
-(`batchctl.lock`); a complete dataset's record lies beside it, `dir/.data.zarr.batchctl.record`.
+(`batchctl.run.lock`); a complete dataset's record lies beside it, `dir/.data.zarr.batchctl.record`.
 Only a complete dataset is moved to OUTPUT, by one atomic rename (an atomic exchange when an
 older dataset is there), so readers see the old dataset or the new one, never a half-built one.
 An object store has neither rename nor append: `RemoteWorkdir` writes the dataset in place and
@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from batchctl import storage
 from batchctl.errors import UsageError
-from batchctl.processes import signals_ignored
+from batchctl.run.processes import signals_ignored
+from batchctl.store import storage
 
 RENAME_EXCHANGE = 2
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from batchctl import format as fmt, storage
 from batchctl.errors import BatchctlError, FormatError
+from batchctl.store import format as fmt, storage
 
 Batch = dict[str, np.ndarray]
 

@@ -1,6 +1,6 @@
 """The on-disk format, enforced here and nowhere else (docs/format.md describes it): the arrays
-and their attributes. The metadata (`batchctl.metadata`), the shard codec (`batchctl.codec`) and
-the chunk reader (`batchctl.chunkread`) live apart and are re-exported here.
+and their attributes. The metadata (`batchctl.store.metadata`), the shard codec (`batchctl.store.codec`) and
+the chunk reader (`batchctl.store.chunkread`) live apart and are re-exported here.
 
 A dataset is a Zarr v3 group. Every array has one row per sample, is chunked by exactly
 `batch_size` rows (one chunk = one batch) and sharded by `shard_batches` chunks. batchctl encodes
@@ -25,16 +25,16 @@ from zarr.core.array_spec import ArrayConfigParams
 from zarr.core.buffer import cpu
 from zarr.core.sync import sync
 
-from batchctl import storage
-from batchctl.chunkread import ChunkReader as ChunkReader, DatasetRoot as DatasetRoot, RowReader as RowReader
-from batchctl.codec import (
+from batchctl.errors import FormatError, IncompleteDatasetError
+from batchctl.store import storage
+from batchctl.store.chunkread import ChunkReader as ChunkReader, DatasetRoot as DatasetRoot, RowReader as RowReader
+from batchctl.store.codec import (
     ChunkEncoder as ChunkEncoder,
     own_codecs as own_codecs,
     read_shard_index as read_shard_index,
     shard_index_bytes as shard_index_bytes,
 )
-from batchctl.errors import FormatError, IncompleteDatasetError
-from batchctl.metadata import (  # the metadata, re-exported: `format` is the one place the format lives
+from batchctl.store.metadata import (  # the metadata, re-exported: `format` is the one place the format lives
     ATTRS_KEY as ATTRS_KEY,
     COMPRESSIONS as COMPRESSIONS,
     DEFAULT_SHARD_BYTES as DEFAULT_SHARD_BYTES,
@@ -122,7 +122,7 @@ def create_arrays(
     rows: Mapping[str, np.ndarray] | None = None,
 ) -> dict[str, zarr.Array[Any]]:
     """Create every array empty (shape 0): the collator appends batches to shards
-    (`batchctl.shards`) and sets the length last; the Dask engine sizes them first (`write_shard_at`).
+    (`batchctl.store.shards`) and sets the length last; the Dask engine sizes them first (`write_shard_at`).
     `source_bytes` is the `source` array's width; `rows`, the first rows of each field, are what
     `auto` compression measures. Only core Zarr v3 data types, so that every array opens in
     tensorstore, Rust zarrs and anything else that reads Zarr v3."""

@@ -1,7 +1,7 @@
 """Preprocessing workers: the pool, bounded dispatch, and the task that runs in each worker.
 
 Workers hand their samples straight to the collator, through their slot of the shared-memory
-ring (`batchctl.ring`) with a small message on the collator's queue, and return only a small
+ring (`batchctl.run.ring`) with a small message on the collator's queue, and return only a small
 `TaskResult` to the parent, so sample arrays are never pickled, and a slow collator slows the
 workers down instead of filling memory (a worker waits for its slot to be free). No exception
 crosses the pool: a failing file becomes a `TaskResult` with its error text.
@@ -24,10 +24,10 @@ from typing import Any
 import numpy as np
 
 from batchctl.preprocess import Preprocessor, resolve
-from batchctl.processes import alive, init_child
 from batchctl.records import Done, Task, TaskOutput, TaskResult, describe_error
-from batchctl.ring import SampleRing
-from batchctl.storage import SourceRoot
+from batchctl.run.processes import alive, init_child
+from batchctl.run.ring import SampleRing
+from batchctl.store.storage import SourceRoot
 
 
 class WorkerSlots:

@@ -12,9 +12,9 @@ from pathlib import Path
 from stat import S_ISREG
 from typing import Any
 
-from batchctl import storage
 from batchctl.errors import UsageError
 from batchctl.records import WorkItem
+from batchctl.store import storage
 
 
 @dataclass

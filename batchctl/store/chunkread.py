@@ -16,9 +16,9 @@ import numcodecs
 import numpy as np
 import zarr
 
-from batchctl import storage
-from batchctl.codec import NO_CHUNK, own_codecs
 from batchctl.errors import DatasetReplacedError, FormatError
+from batchctl.store import storage
+from batchctl.store.codec import NO_CHUNK, own_codecs
 
 _SHARD_CACHE = 4
 

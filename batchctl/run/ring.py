@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from batchctl.mpinternals import dup_fd_for_child
 from batchctl.records import Task, TaskOutput
+from batchctl.run.mpinternals import dup_fd_for_child
 
 SLOT_BYTES = 32 * 2**20  # one chunk's output; only the pages a chunk fills are ever touched
 ALIGN = 64

@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from batchctl import format as fmt, storage
-from batchctl.reader import Dataset
+from batchctl.read.reader import Dataset
+from batchctl.store import format as fmt, storage
 
 
 def info(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:

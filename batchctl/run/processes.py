@@ -33,8 +33,8 @@ from typing import Any
 
 from batchctl.errors import Signalled, note_signal, raise_signalled
 
-# batchctl.forkserver_init first: it sets up the fork server before the heavy imports.
-PRELOAD = ["batchctl.forkserver_init", "batchctl.workers", "batchctl.collate", "numpy", "PIL.Image"]
+# batchctl.run.forkserver_init first: it sets up the fork server before the heavy imports.
+PRELOAD = ["batchctl.run.forkserver_init", "batchctl.run.workers", "batchctl.run.collate", "numpy", "PIL.Image"]
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 PR_SET_PDEATHSIG = 1
 SHM_DIR = Path("/dev/shm")

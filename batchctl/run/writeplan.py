@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchctl.records import CarryRun
-from batchctl.staging import BuildPaths
+from batchctl.run.staging import BuildPaths
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """Imported by the fork server before its other preloads, and by nothing else (`processes.PRELOAD`)."""
 
-from batchctl.processes import become_forkserver
+from batchctl.run.processes import become_forkserver
 
 become_forkserver()

@@ -20,15 +20,16 @@ from typing import Any
 import numpy as np
 import zarr
 
-from batchctl import format as fmt, staging, storage
-from batchctl.collate import check_schema
 from batchctl.errors import PipelineError, UsageError
 from batchctl.preprocess import Preprocessor, resolve
 from batchctl.records import Task, TaskResult
-from batchctl.staging import BuildPaths
-from batchctl.storage import SourceRoot
-from batchctl.workers import preprocess_task
-from batchctl.writeplan import Carry
+from batchctl.run import staging
+from batchctl.run.collate import check_schema
+from batchctl.run.staging import BuildPaths
+from batchctl.run.workers import preprocess_task
+from batchctl.run.writeplan import Carry
+from batchctl.store import format as fmt, storage
+from batchctl.store.storage import SourceRoot
 
 
 @dataclass(frozen=True)

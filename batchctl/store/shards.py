@@ -13,8 +13,8 @@ from typing import Any
 
 import zarr
 
-from batchctl import format as fmt
 from batchctl.errors import FormatError
+from batchctl.store import format as fmt
 
 Chunk = tuple[int, int]  # (offset, nbytes) of one encoded chunk in its shard
 

@@ -22,9 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchctl.errors import PipelineError, check_signalled
-from batchctl.mpinternals import name_semaphores_after, pool_workers, shut_down_pool
 from batchctl.preprocess import Preprocessor
-from batchctl.processes import mp_context, signals_deferred, signals_ignored, start_forkserver
 from batchctl.progress import Progress
 from batchctl.records import (
     BatchWritten,
@@ -39,11 +37,13 @@ from batchctl.records import (
     Task,
     TaskResult,
 )
-from batchctl.ring import SampleRing
-from batchctl.staging import BuildPaths
-from batchctl.storage import SourceRoot
-from batchctl.workers import BoundedFeed, WorkerSlots, chunked, run_chunk, start_pool
-from batchctl.writeplan import CollatorConfig
+from batchctl.run.mpinternals import name_semaphores_after, pool_workers, shut_down_pool
+from batchctl.run.processes import mp_context, signals_deferred, signals_ignored, start_forkserver
+from batchctl.run.ring import SampleRing
+from batchctl.run.staging import BuildPaths
+from batchctl.run.workers import BoundedFeed, WorkerSlots, chunked, run_chunk, start_pool
+from batchctl.run.writeplan import CollatorConfig
+from batchctl.store.storage import SourceRoot
 
 HEALTH_CHECK_S = 1.0  # how long a blocking wait lasts before the children are checked on
 STOP_WAIT_S = 3.0  # how long a stopping collator may take to write its last batch
@@ -53,7 +53,7 @@ CHUNKS_PER_WORKER = 3  # chunks in flight per worker: enough to keep it busy, fe
 def _collator_main(*args: Any) -> None:
     """The collator process's entry: it alone needs the Zarr stack (the fork server preloads it),
     so the parent never imports it to name the target."""
-    from batchctl.collate import run_collator
+    from batchctl.run.collate import run_collator
 
     run_collator(*args)
 

@@ -1,7 +1,7 @@
 """Collate: the collator process assembles samples into batches and streams them into shards.
 
 It is the only writer of the dataset's arrays. Each batch, the moment it is full, is encoded and
-appended to its shard (one chunk per array, `batchctl.shards`); the shard's index is written when
+appended to its shard (one chunk per array, `batchctl.store.shards`); the shard's index is written when
 its last batch is in. About every second the shard files are fsynced and then the batches written
 since are journaled, so a build killed outright loses at most the last second or so. Stopped
 gracefully (the parent's `Stop`), it writes and journals its half-filled batch too, and a resumed
@@ -26,10 +26,7 @@ from typing import Any
 import numpy as np
 import zarr
 
-from batchctl import format as fmt, shards, staging, storage
-from batchctl.mpinternals import queue_reader
 from batchctl.preprocess import Sample
-from batchctl.processes import init_child
 from batchctl.records import (
     BatchWritten,
     CarryRun,
@@ -44,8 +41,12 @@ from batchctl.records import (
     TaskOutput,
     describe_error,
 )
-from batchctl.ring import InRing, SampleRing
-from batchctl.writeplan import Carry, CollatorConfig
+from batchctl.run import staging
+from batchctl.run.mpinternals import queue_reader
+from batchctl.run.processes import init_child
+from batchctl.run.ring import InRing, SampleRing
+from batchctl.run.writeplan import Carry, CollatorConfig
+from batchctl.store import format as fmt, shards, storage
 
 SYNC_S = 1.0  # batches are journaled (their shard files fsynced first) at most this long after being written
 # Threads that encode and write batches (zstd, blosc, crc32c and pwritev release the GIL). The

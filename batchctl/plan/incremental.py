@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from batchctl import storage
 from batchctl.records import CarryRun, PathKey, WorkItem
+from batchctl.store import storage
 
 RECORD_VERSION = 1
 

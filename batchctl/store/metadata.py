@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from batchctl import storage
 from batchctl.errors import FormatError
+from batchctl.store import storage
 
 FORMAT_VERSION = 2  # 2: `source` as UTF-8 bytes in a uint8 array (core Zarr v3 types only)
 ATTRS_KEY = "batchctl"

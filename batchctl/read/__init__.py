@@ -1,0 +1,1 @@
+"""Reading a dataset: the Python API, `info` and `verify`, previews."""

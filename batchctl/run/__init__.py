@@ -1,0 +1,2 @@
+"""Running a build: the processes (pool, collator, fork server), their signals, the work folder,
+the lock, the Dask engine."""
