@@ -12,8 +12,9 @@ signal the whole process group or cgroup; the OOM killer picks one process):
 - What a SIGKILL of the whole group leaves in /dev/shm (the semaphores; the sample ring has no
   name) carries the dead parent's pid, and any later build sweeps it (`sweep_dead_builds`).
 
-Kept free of heavy imports so the command line can start the fork server first of all, and its
-imports (numpy, Pillow, zarr) overlap the parent's own.
+Kept free of heavy imports: the build starts the fork server as soon as it knows there is work
+(after the up-to-date check), and the server's preloads (numpy, Pillow, zarr for the collator)
+run alongside the parent's planning.
 """
 
 from __future__ import annotations
