@@ -3,7 +3,7 @@
 import signal
 import sys
 
-from batchctl.errors import Signalled, raise_signalled, signalled_in
+from batchctl.errors import Signalled, quiet_unraisable_signals, raise_signalled, signalled_in
 
 
 def main() -> None:
@@ -11,6 +11,7 @@ def main() -> None:
     # (exit 130/143, no traceback); the build turns it into an orderly stop of its processes.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, raise_signalled)
+    quiet_unraisable_signals()
     try:
         from batchctl.cli import run
     except (Signalled, Exception) as exc:  # a signal while still importing (perhaps wrapped)

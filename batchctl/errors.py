@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import sys
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from batchctl.report import BuildReport
@@ -25,6 +26,26 @@ def raise_signalled(signum: int, frame: object = None) -> None:
     Exception): `check_signalled` at the next checkpoint raises it again."""
     _received.append(signum)
     raise Signalled(signum)
+
+
+def quiet_unraisable_signals() -> None:
+    """Let a `Signalled` that Python cannot propagate pass without a traceback.
+
+    A signal whose handler raises while Python runs a finalizer (a `__del__`, a weakref callback,
+    an atexit function) is reported as "Exception ignored in ..." with its traceback on stderr, and
+    dropped. It was noted first (`raise_signalled`), and the next checkpoint acts on it, so there
+    is nothing to report. Any other unraisable exception goes to the hook that was there before."""
+    previous = sys.unraisablehook
+    if getattr(previous, "batchctl_quiet", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        if isinstance(unraisable.exc_value, Signalled):
+            return
+        previous(unraisable)
+
+    hook.batchctl_quiet = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
 
 
 def note_signal(signum: int) -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -76,3 +78,26 @@ def test_a_work_folder_that_is_not_private_is_not_trusted(photos: Path, tmp_path
         assert victim.exists()
     finally:
         victim.unlink(missing_ok=True)
+
+
+def test_a_signal_raised_in_a_finalizer_prints_no_traceback() -> None:
+    """A signal whose handler raises while Python runs a `__del__` cannot propagate; Python would
+    print it as "Exception ignored". It was noted, so batchctl reports nothing (other unraisable
+    errors still print), and the next checkpoint acts on it."""
+    code = (
+        "import gc, sys\n"
+        "from batchctl.errors import Signalled, check_signalled, quiet_unraisable_signals, raise_signalled\n"
+        "quiet_unraisable_signals()\n"
+        "class Stopped:\n"
+        "    def __del__(self): raise_signalled(15)\n"
+        "class Broken:\n"
+        "    def __del__(self): raise ValueError('other')\n"
+        "Stopped(); Broken(); gc.collect()\n"
+        "try:\n"
+        "    check_signalled()\n"
+        "except Signalled as exc:\n"
+        "    print('acted on', exc.signum)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.stdout.strip() == "acted on 15"
+    assert "Signalled" not in result.stderr and "ValueError: other" in result.stderr

@@ -32,7 +32,7 @@ from multiprocessing.context import ForkServerContext
 from pathlib import Path
 from typing import Any
 
-from batchctl.errors import Signalled, note_signal, raise_signalled
+from batchctl.errors import Signalled, note_signal, quiet_unraisable_signals, raise_signalled
 
 # batchctl.run.forkserver_init first: it sets up the fork server before the heavy imports.
 PRELOAD = ["batchctl.run.forkserver_init", "batchctl.run.workers", "batchctl.run.collate", "numpy", "PIL.Image"]
@@ -147,7 +147,9 @@ def _stop_signals_handled_by(handler: Callable[[int, Any], None]) -> Iterator[No
 
 
 def signals_raise() -> contextlib.AbstractContextManager[None]:
-    """Turn SIGINT and SIGTERM into `Signalled` for the duration."""
+    """Turn SIGINT and SIGTERM into `Signalled` for the duration (one raised in a finalizer is
+    not reported: `quiet_unraisable_signals`)."""
+    quiet_unraisable_signals()
     return _stop_signals_handled_by(raise_signalled)
 
 
