@@ -275,12 +275,11 @@ class _Builder:
             carry=self.carry,
         )
         run = DaskRun(job)
-        outcome = run.run(tasks)
+        finished = run.run(tasks)
         self.progress.close()
         self.report.workers_seen = sorted(run.workers_seen)
-        if outcome.samples == 0:
+        if finished.samples == 0:
             raise BuildFailed(f"no samples were produced: all {len(discovery.items)} files were skipped", self.report)
-        finished = Finished(outcome.samples, outcome.shards, outcome.shard_batches, outcome.schema)
         return self._complete(discovery, fingerprint, finished)
 
     def _on_dask_result(self, result: TaskResult) -> None:
@@ -329,7 +328,7 @@ class _Builder:
         self.work.start()
         if found is not None:
             state = self._seed(discovery, *found)
-            tasks = self._resume(discovery, state)
+            tasks = self._resume(discovery, state, found)
             if tasks is not None:
                 return tasks
             self.work.start()
@@ -453,8 +452,15 @@ class _Builder:
             for name, arr in arrays.items()
         }
 
-    def _resume(self, discovery: Discovery, state: Mapping[str, Any]) -> list[Task] | None:
-        """Tasks still to do after an interrupted run, or None when it cannot be trusted."""
+    def _resume(
+        self,
+        discovery: Discovery,
+        state: Mapping[str, Any],
+        seeded_from: tuple[incremental.Plan, incremental.Record] | None = None,
+    ) -> list[Task] | None:
+        """Tasks still to do after an interrupted run, or None when it cannot be trusted.
+        `seeded_from`: the plan and record an incremental build just seeded the staging from (a
+        resumed one reads the record again)."""
         if state.get("classes") != discovery.classes:
             self.progress.info("the class folders changed since the interrupted build; starting over")
             return None
@@ -477,7 +483,7 @@ class _Builder:
         only = None
         seeded = state.get("incremental")
         if seeded is not None:
-            plan = self._carry_plan(discovery, seeded, written)
+            plan = self._carry_plan(discovery, seeded, written, seeded_from)
             if plan is None:
                 return None
             only = plan.preprocess
@@ -494,14 +500,23 @@ class _Builder:
         return self._tasks(discovery, written, only)
 
     def _carry_plan(
-        self, discovery: Discovery, seeded: Mapping[str, Any], written: Mapping[tuple[str, int], list[Any]]
+        self,
+        discovery: Discovery,
+        seeded: Mapping[str, Any],
+        written: Mapping[tuple[str, int], list[Any]],
+        known: tuple[incremental.Plan, incremental.Record] | None,
     ) -> incremental.Plan | None:
-        """An incremental build's plan, and what of its carry is still to do."""
-        record = incremental.read_record(self.paths.record_url, self.options.storage_options)
-        if record is None or record.build_id != seeded.get("build_id"):
-            self.progress.info("the record of the last build is gone; starting over")
-            return None
-        plan = incremental.plan(record, discovery.items, self.digests, self.options.checksum, self._keep_tail)
+        """An incremental build's plan (`known`, or made again from the record), and what of its
+        carry is still to do."""
+        if known is not None:
+            plan, record = known
+        else:
+            loaded = incremental.read_record(self.paths.record_url, self.options.storage_options)
+            if loaded is None or loaded.build_id != seeded.get("build_id"):
+                self.progress.info("the record of the last build is gone; starting over")
+                return None
+            record = loaded
+            plan = incremental.plan(record, discovery.items, self.digests, self.options.checksum, self._keep_tail)
         done = {key: (int(entry[0]), bool(entry[1])) for key, entry in written.items()}
         runs = incremental.remaining_carry(plan.carry, done)
         self.carry = Carry(str(seeded["carry_from"]), dict(self.options.storage_options), record.shard_rows, runs)
@@ -567,8 +582,7 @@ class _Builder:
             if line["full"]:
                 shard = seeded.done_shards + int(line["group"])
                 return source is not None and bool(fs.exists(f"{root}/{fmt.shard_key(source, shard)}"))
-            name = "carry" if line["group"] < 0 else f"{int(line['group']):08d}"
-            spill_fs, where = storage.locate(f"{self.paths.workdir_url}/spill/{name}.npz", self.options.storage_options)
+            spill_fs, where = storage.locate(self.paths.spill_url(int(line["group"])), self.options.storage_options)
             return bool(spill_fs.exists(where))
 
         groups = [line for line in lines if "group" in line and present(line)]
@@ -645,7 +659,7 @@ class _Builder:
             shard_batches=finished.shard_batches,
             source_width=int(fmt.open_arrays(group)[meta.SOURCE].shape[1]),
             checksum=self.options.checksum,
-            batches=[{key: batch[key] for key in ("batch", "shard", "rows", "files")} for batch in batches],
+            batches=batches,  # written without their chunks' places (`incremental.record_bytes`)
             skipped=skipped,
             digests=self.digests,
         )

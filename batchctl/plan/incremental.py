@@ -44,7 +44,7 @@ class Record:
     shard_batches: int
     source_width: int
     checksum: bool
-    batches: list[dict[str, Any]]  # journal lines {"batch", "shard", "rows", "files"}, in order
+    batches: list[dict[str, Any]]  # journal lines ({"batch", "shard", "rows", "files"}, ...), in order
     skipped: dict[str, list[Any]] = field(default_factory=dict)  # relpath -> [size, mtime_ns, reason, retry]
     digests: dict[str, str] = field(default_factory=dict)  # relpath -> content hash (--checksum)
 

@@ -104,7 +104,7 @@ def verify(
         if arr.chunks[0] != ds.batch_size or (arr.shards and arr.shards[0] != shard_rows):
             problems.append(Problem(name, f"chunks {arr.chunks} / shards {arr.shards} break the batch layout"))
         for shard in range(num_shards):
-            if fmt.shard_keys({name: arr}, shard)[0] not in present:
+            if fmt.shard_key(arr, shard) not in present:
                 problems.append(Problem(f"{name} shard {shard}", "shard file is missing"))
     spec = {name: fmt.FieldSpec(tuple(s), d) for name, s, d in _field_specs(ds)}
     seen: set[tuple[str, int]] = set()

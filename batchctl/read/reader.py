@@ -86,7 +86,7 @@ class Dataset:
     def _read_zarr(self, name: str, arr: Any, start: int, stop: int) -> np.ndarray:
         shard = start // int(arr.shards[0] if arr.shards else arr.chunks[0])
         if (name, shard) not in self._present:
-            key = fmt.shard_keys({name: arr}, shard)[0]
+            key = fmt.shard_key(arr, shard)
             fs, root = storage.locate(self.path, self.storage_options)
             if not fs.exists(f"{root}/{key}"):
                 if self._root is not None:

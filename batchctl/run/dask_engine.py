@@ -22,7 +22,7 @@ import zarr
 
 from batchctl.errors import PipelineError, UsageError
 from batchctl.preprocess import Preprocessor, resolve
-from batchctl.records import Task, TaskResult
+from batchctl.records import Finished, Task, TaskResult
 from batchctl.run import staging
 from batchctl.run.collate import check_schema
 from batchctl.run.staging import BuildPaths
@@ -95,7 +95,7 @@ def run_group(spec: GroupSpec) -> GroupResult:
         group = zarr.open_group(spec.dataset, mode="r+", **storage.zarr_options(spec.dataset, spec.storage_options))
         fmt.write_shard_at(fmt.open_arrays(group), spec.layout, spec.shard, columns)
     else:
-        _write_spill(spec, columns)
+        _store_spill(spec.spill, spec.storage_options, columns)
     return GroupResult(spec.index, results, rows, full, os.getpid(), os.uname().nodename)
 
 
@@ -113,10 +113,6 @@ def _columns(outputs: list[Any], schema: Mapping[str, fmt.FieldSpec], labelled: 
     if labelled:
         columns[fmt.LABEL] = np.array([t.item.label for t, n in parts_of for _ in range(n)], dtype=np.int64)
     return columns
-
-
-def _write_spill(spec: GroupSpec, columns: Mapping[str, np.ndarray]) -> None:
-    _store_spill(spec.spill, spec.storage_options, columns)
 
 
 def _store_spill(location: str, storage_options: Mapping[str, Any], columns: Mapping[str, np.ndarray]) -> None:
@@ -161,10 +157,8 @@ def plan_compaction(full: list[int], spill_rows: int, shard_rows: int) -> Compac
 def move_shard(paths: BuildPaths, arrays: Mapping[str, zarr.Array[Any]], source: int, target: int) -> None:
     """Move one whole shard's objects (their bytes do not depend on where the shard sits)."""
     fs, root = storage.locate(paths.staging_url, paths.storage_options)
-    for name, arr in arrays.items():
-        src, dst = (
-            f"{root}/{key}" for key in fmt.shard_keys({name: arr}, source) + fmt.shard_keys({name: arr}, target)
-        )
+    for arr in arrays.values():
+        src, dst = (f"{root}/{fmt.shard_key(arr, shard)}" for shard in (source, target))
         if fs.exists(src):
             fs.mv(src, dst)
 
@@ -205,14 +199,6 @@ class DaskJob:
     carry: Carry | None = None
 
 
-@dataclass(frozen=True)
-class Outcome:
-    samples: int
-    shards: int
-    shard_batches: int
-    schema: dict[str, dict[str, Any]]
-
-
 class DaskRun:
     """The client's side of a Dask build: probe the schema, submit the groups, journal each as it
     finishes, then close the gaps between shards."""
@@ -222,10 +208,9 @@ class DaskRun:
         self.paths = job.paths
         self.group = zarr.open_group(job.paths.staging_url, mode="r+", **job.paths.zarr_kwargs())
         self.workers_seen: set[str] = set()
-        self.spill_dir = f"{self.paths.workdir_url}/spill"
         self.work = staging.workdir(self.paths)
 
-    def run(self, tasks: list[Task]) -> Outcome:
+    def run(self, tasks: list[Task]) -> Finished:
         arrays = fmt.open_arrays(self.group)
         if arrays:  # resumed, or seeded from the last build: the arrays say what they hold
             schema = {
@@ -270,14 +255,14 @@ class DaskRun:
 
     def _run(
         self, tasks: list[Task], schema: dict[str, fmt.FieldSpec], rows: dict[str, np.ndarray], client: Any
-    ) -> Outcome:
+    ) -> Finished:
         arrays, layout = self._arrays(tasks, schema, rows, client)
         first = max((int(line["group"]) for line in self.job.kept_groups), default=-1) + 1
         groups = plan_groups(tasks, layout.shard_rows, _expected_rows)
         for arr in arrays.values():  # sized for every group's shard up front: tasks write no metadata
             arr.resize(((self.job.base + first + len(groups)) * layout.shard_rows, *arr.shape[1:]))
         if not self.paths.remote:
-            os.makedirs(self.spill_dir, exist_ok=True)
+            os.makedirs(os.path.dirname(self.paths.spill_url(0)), exist_ok=True)
         done = list(self.job.kept_groups)
         if self.job.carry is not None and self.job.carry.runs:
             done.append(self._write_carry(self.job.carry, schema))
@@ -291,7 +276,7 @@ class DaskRun:
                 source=self.job.source,
                 dataset=self.paths.staging_url,
                 storage_options=dict(self.paths.storage_options),
-                spill=self._spill(first + number),
+                spill=self.paths.spill_url(first + number),
                 layout=layout,
                 schema=schema,
                 labelled=self.job.labelled,
@@ -301,10 +286,7 @@ class DaskRun:
         done += self._submit(client, specs, layout)
         samples = self._compact(arrays, layout, done)
         shards = -(-samples // layout.shard_rows)
-        return Outcome(samples, shards, layout.shard_batches, {name: spec.to_json() for name, spec in schema.items()})
-
-    def _spill(self, group: int) -> str:
-        return f"{self.spill_dir}/{group:08d}.npz" if group >= 0 else f"{self.spill_dir}/carry.npz"
+        return Finished(samples, shards, layout.shard_batches, {name: spec.to_json() for name, spec in schema.items()})
 
     def _shard_of(self, group: int) -> int:
         return self.job.base + group
@@ -324,7 +306,7 @@ class DaskRun:
         columns[fmt.SOURCE_INDEX] = np.concatenate([np.arange(run.index, run.index + run.rows) for run in carry.runs])
         if self.job.labelled:
             columns[fmt.LABEL] = np.concatenate([np.full(run.rows, run.item.label, np.int64) for run in carry.runs])
-        _store_spill(self._spill(-1), self.paths.storage_options, columns)
+        _store_spill(self.paths.spill_url(-1), self.paths.storage_options, columns)
         files = [[r.item.relpath, r.rows, True, r.item.size, r.item.mtime_ns, r.first] for r in carry.runs]
         line = {"group": -1, "full": False, "rows": len(columns[fmt.SOURCE]), "files": files}
         self.work.append_group(line)
@@ -387,7 +369,7 @@ class DaskRun:
             move_shard(self.paths, arrays, source, target)
         for arr in arrays.values():
             arr.resize((plan.total_rows, *arr.shape[1:]))
-        spills = [read_spill(self._spill(int(g["group"])), self.paths.storage_options) for g in spilled]
+        spills = [read_spill(self.paths.spill_url(int(g["group"])), self.paths.storage_options) for g in spilled]
         for index, columns in zip(plan.spill_shards, spill_rows(spills, layout.shard_rows), strict=True):
             fmt.write_shard_at(arrays, layout, index, columns)
         return plan.total_rows

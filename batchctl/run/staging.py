@@ -54,9 +54,14 @@ class BuildPaths:
         return storage.filesystem(self.url, self.storage_options) if self.remote else None
 
     @property
-    def workdir_url(self) -> str:
+    def _beside(self) -> str:
+        """OUTPUT's folder (or prefix) and a hidden name after OUTPUT's: where its work lives."""
         parent, name = storage.parent_and_name(self.url) if self.remote else (str(self.output.parent), self.output.name)
         return f"{parent}/.{name}.batchctl"
+
+    @property
+    def workdir_url(self) -> str:
+        return self._beside
 
     @property
     def workdir(self) -> Path:
@@ -85,8 +90,12 @@ class BuildPaths:
     @property
     def record_url(self) -> str:
         """The record of the published dataset (which file each row came from): beside OUTPUT."""
-        parent, name = storage.parent_and_name(self.url) if self.remote else (str(self.output.parent), self.output.name)
-        return f"{parent}/.{name}.batchctl.record"
+        return f"{self._beside}.record"
+
+    def spill_url(self, group: int) -> str:
+        """`--engine dask`: where group `group`'s rows go when they are not one whole shard (group -1:
+        an incremental build's carried rows)."""
+        return f"{self.workdir_url}/spill/" + (f"{group:08d}.npz" if group >= 0 else "carry.npz")
 
     @property
     def local_dir(self) -> Path:

@@ -257,12 +257,6 @@ def remove_shards_from(arrays: Mapping[str, zarr.Array[Any]], fs: Any, root: str
                 fs.rm(stale, recursive=True)
 
 
-def shard_keys(arrays: Mapping[str, zarr.Array[Any]], shard_index: int) -> list[str]:
-    """The keys, relative to the dataset root, of the objects holding shard `shard_index` of each
-    array (for fsync before journaling, and for verify)."""
-    return [f"{arr.path}/{_shard_key(arr, shard_index)}" for arr in arrays.values()]
-
-
 def shard_key(arr: zarr.Array[Any], shard_index: int) -> str:
     """The key of shard `shard_index` of `arr`, relative to the dataset root."""
     return f"{arr.path}/{_shard_key(arr, shard_index)}"
@@ -270,24 +264,6 @@ def shard_key(arr: zarr.Array[Any], shard_index: int) -> str:
 
 def _shard_key(arr: zarr.Array[Any], shard_index: int) -> str:
     return str(arr.metadata.encode_chunk_key((shard_index,) + (0,) * (arr.ndim - 1)))
-
-
-def fsync_paths(paths: list[Path]) -> None:
-    """Make written shard files and their directory entries durable."""
-    dirs = set()
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        dirs.add(path.parent)
-    for directory in dirs:
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def write_attrs(group: zarr.Group, attrs: DatasetAttrs) -> None:
