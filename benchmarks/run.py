@@ -181,6 +181,24 @@ def parallel_ceiling(files: list[Path], workers: int) -> float:
         return len(files) / (time.perf_counter() - start)
 
 
+def rate_row(
+    tool: str, workers: int, rate: float, r: float, peak: int | None = None, out: Path | None = None
+) -> dict[str, Any]:
+    """One row of the image table: samples/s and its ratio to the ideal W x r, and, when measured,
+    the peak RSS of the whole process tree and the bytes written."""
+    row: dict[str, Any] = {
+        "tool": tool,
+        "workers": workers,
+        "samples_per_s": round(rate, 1),
+        "ratio_to_ideal": round(rate / (workers * r), 3),
+    }
+    if peak is not None:
+        row["peak_rss_mib"] = round(peak / 2**20, 1)
+    if out is not None:
+        row["bytes"] = du(out)
+    return row
+
+
 def bench_images(root: Path, count: int, results: dict[str, Any]) -> None:
     src = root / "images"
     make_image_folder(src, count, sides=(300, 900))
@@ -190,42 +208,15 @@ def bench_images(root: Path, count: int, results: dict[str, Any]) -> None:
     for workers in range(1, CORES + 1):
         out = root / f"img{workers}.zarr"
         elapsed, peak, _ = run_measured(batchctl_cmd(src, out, workers))
-        rate = count / elapsed
-        rows.append(
-            {
-                "tool": "batchctl build",
-                "workers": workers,
-                "samples_per_s": round(rate, 1),
-                "ratio_to_ideal": round(rate / (workers * r), 3),
-                "peak_rss_mib": round(peak / 2**20, 1),
-                "bytes": du(out),
-            }
-        )
-    ceiling = parallel_ceiling(files, CORES)
-    rows.append(
-        {
-            "tool": "preprocessing only (ceiling)",
-            "workers": CORES,
-            "samples_per_s": round(ceiling, 1),
-            "ratio_to_ideal": round(ceiling / (CORES * r), 3),
-        }
-    )
+        rows.append(rate_row("batchctl build", workers, count / elapsed, r, peak, out))
+    rows.append(rate_row("preprocessing only (ceiling)", CORES, parallel_ceiling(files, CORES), r))
     out = root / "naive.zarr"
     code = (
         f"import sys; sys.path.insert(0, {str(HERE)!r}); import run; from pathlib import Path; "
         f"run.naive_pool(sorted(p for p in Path({str(src)!r}).rglob('*') if p.is_file()), Path({str(out)!r}), {CORES})"
     )
     elapsed, peak, _ = run_measured([sys.executable, "-c", code])
-    rows.append(
-        {
-            "tool": "naive Pool.imap + write at end",
-            "workers": CORES,
-            "samples_per_s": round(count / elapsed, 1),
-            "ratio_to_ideal": round(count / elapsed / (CORES * r), 3),
-            "peak_rss_mib": round(peak / 2**20, 1),
-            "bytes": du(out),
-        }
-    )
+    rows.append(rate_row("naive Pool.imap + write at end", CORES, count / elapsed, r, peak, out))
     rows += litdata_rows(root, src, count, r)
     # memory: N vs 4N files of the same kind (hard links to the same images under other names)
     big = root / "images4x"
@@ -295,20 +286,8 @@ def litdata_rows(root: Path, src: Path, count: int, r: float) -> list[dict[str, 
     elapsed, peak, proc = run_measured([sys.executable, str(job), str(src), str(out), str(CORES)])
     call = float(next(line.split()[1] for line in proc.stdout.splitlines() if line.startswith("OPTIMIZE_S")))
     return [
-        {
-            "tool": "LitData optimize() (whole process)",
-            "workers": CORES,
-            "samples_per_s": round(count / elapsed, 1),
-            "ratio_to_ideal": round(count / elapsed / (CORES * r), 3),
-            "peak_rss_mib": round(peak / 2**20, 1),
-            "bytes": du(out),
-        },
-        {
-            "tool": "LitData optimize() (the call alone)",
-            "workers": CORES,
-            "samples_per_s": round(count / call, 1),
-            "ratio_to_ideal": round(count / call / (CORES * r), 3),
-        },
+        rate_row("LitData optimize() (whole process)", CORES, count / elapsed, r, peak, out),
+        rate_row("LitData optimize() (the call alone)", CORES, count / call, r),
     ]
 
 
