@@ -50,7 +50,7 @@ from batchctl.store.storage import SourceRoot
 from batchctl.version import __version__
 
 if TYPE_CHECKING:
-    import zarr
+    from batchctl.store.zarrmeta import ArrayMeta
 
 # The Zarr stack (zarr, batchctl.store.format) is imported by the methods that touch the arrays, not
 # here: a rerun that finds OUTPUT up to date never loads it (it reads `zarr.json` as JSON).
@@ -313,10 +313,6 @@ class _Builder:
     def _plan(self, discovery: Discovery) -> list[Task]:
         """Resume an interrupted build of the same options, else build on the last complete build
         (incrementally), else start a fresh staging dataset."""
-        import zarr
-
-        from batchctl.store import format as fmt
-
         state = self.work.read_state()
         if state is not None and self.options.resume:
             if state.get("spec") != self.spec or state.get("source") != str(self.source):
@@ -332,8 +328,7 @@ class _Builder:
             if tasks is not None:
                 return tasks
             self.work.start()
-        group = zarr.open_group(self.paths.staging_url, mode="w", **self.paths.zarr_kwargs())
-        fmt.write_attrs(group, self._attrs(discovery))
+        meta.write_dataset_attrs(self.paths.staging_files, self._attrs(discovery), new=True)
         self.work.write_state(self._state(discovery))
         return self._tasks(discovery, {})
 
@@ -379,37 +374,34 @@ class _Builder:
         arrays (empty), its kept shards renumbered 0..K-1 and journaled as finished. Returns the
         state, written last: a seeding cut short is simply done again (or, on an object store,
         where it moves shards in place, the next run builds everything)."""
-        import zarr
-
         from batchctl.store import format as fmt
 
         fs, root = storage.locate(self.output, self.options.storage_options)
         carry_from = self.output
+        files = self.paths.staging_files
         if self.paths.remote:
-            group = zarr.open_group(self.paths.staging_url, mode="r+", **self.paths.zarr_kwargs())
             # no longer complete, nor the build its record names: its shards move now
-            fmt.write_attrs(group, self._attrs(discovery))
+            fmt.write_dataset_attrs(files, self._attrs(discovery))
             carry_from = f"{self.paths.workdir_url}/previous.zarr"
-            _copy_dataset_shards(fs, root, storage.fs_path(carry_from), group, sorted({r.shard for r in plan.carry}))
-            arrays = fmt.open_arrays(group)
+            arrays = files.arrays()
+            _copy_dataset_shards(fs, root, storage.fs_path(carry_from), arrays, sorted({r.shard for r in plan.carry}))
             for new, old in enumerate(plan.kept_shards):
                 if new != old:
                     _copy_shard(fs, arrays, f"{root}/", old, f"{root}/", new)
             fmt.remove_shards_from(arrays, fs, root, len(plan.kept_shards))
         else:
             staging_root = str(self.paths.staging)
-            _copy_dataset_shards(fs, root, staging_root, None, [])
-            group = zarr.open_group(staging_root, mode="r+")
-            arrays = fmt.open_arrays(group)
+            arrays = fmt.DatasetFiles(root).arrays()
+            _copy_dataset_shards(fs, root, staging_root, arrays, [])
             for new, old in enumerate(plan.kept_shards):
                 for arr in arrays.values():
-                    source, target = Path(root) / fmt.shard_key(arr, old), Path(staging_root) / fmt.shard_key(arr, new)
+                    source, target = Path(root) / arr.shard_key(old), Path(staging_root) / arr.shard_key(new)
                     if new < len(plan.done_shards):
                         _link(source, target)
                     else:  # the open tail grows: a copy of its own, never a link to the published file
                         target.parent.mkdir(parents=True, exist_ok=True)
                         shutil.copyfile(source, target)
-            fmt.write_attrs(group, self._attrs(discovery))
+            fmt.write_dataset_attrs(files, self._attrs(discovery))
         lines: list[dict[str, Any]] = []
         tail = len(plan.done_shards)
         chunks = self._tail_chunks(arrays, tail, record.shard_batches) if plan.open_tail else {}
@@ -441,14 +433,12 @@ class _Builder:
         engine's collator appends, and only to a local file (an object is written whole)."""
         return self.options.engine == "local" and not self.paths.remote
 
-    def _tail_chunks(
-        self, arrays: Mapping[str, zarr.Array[Any]], shard: int, shard_batches: int
-    ) -> dict[str, list[Any]]:
+    def _tail_chunks(self, arrays: Mapping[str, ArrayMeta], shard: int, shard_batches: int) -> dict[str, list[Any]]:
         """(offset, nbytes) of each chunk of a copied shard file of each array, from its index."""
         from batchctl.store import format as fmt
 
         return {
-            name: fmt.read_shard_index(self.paths.staging / fmt.shard_key(arr, shard), shard_batches)
+            name: fmt.read_shard_index(self.paths.staging / arr.shard_key(shard), shard_batches)
             for name, arr in arrays.items()
         }
 
@@ -532,12 +522,9 @@ class _Builder:
         within their shard files (the journal is written after its data is fsynced, so this only
         cuts what a damaged disk lost), and a half-filled batch that still decodes. Shard files
         past the last kept batch's shard are deleted."""
-        import zarr
-
         from batchctl.store import format as fmt
 
-        group = zarr.open_group(self.paths.staging_url, mode="r+", **self.paths.zarr_kwargs())
-        arrays = fmt.open_arrays(group)
+        arrays = self.paths.staging_files.arrays()
         if not arrays:
             return staging.Journaled([], None, 0)
         kept = staging.resolve_journal(self.work.read_journal(), self.options.batch_size)
@@ -547,7 +534,7 @@ class _Builder:
 
         def present(batch: dict[str, Any]) -> bool:
             for name, arr in arrays.items():
-                key = fmt.shard_key(arr, int(batch["shard"]))
+                key = arr.shard_key(int(batch["shard"]))
                 if key not in sizes:
                     sizes[key] = int(fs.size(f"{root}/{key}")) if fs.exists(f"{root}/{key}") else -1
                 offset, nbytes = batch["chunks"][name]
@@ -568,27 +555,22 @@ class _Builder:
     def _journaled_groups(self) -> staging.Journaled:
         """What an interrupted Dask build journaled: the shards kept from the last build (finished
         shards) and the groups it finished whose shard or spill object is really there."""
-        import zarr
-
-        from batchctl.store import format as fmt
-
         lines = self.work.read_journal()
         seeded = staging.resolve_journal(lines, self.options.batch_size)
-        group = zarr.open_group(self.paths.staging_url, mode="r", **self.paths.zarr_kwargs())
-        source = fmt.open_arrays(group).get(meta.SOURCE)
+        source = self.paths.staging_files.arrays().get(meta.SOURCE)
         fs, root = storage.locate(self.paths.staging_url, self.paths.storage_options)
 
         def present(line: dict[str, Any]) -> bool:
             if line["full"]:
                 shard = seeded.done_shards + int(line["group"])
-                return source is not None and bool(fs.exists(f"{root}/{fmt.shard_key(source, shard)}"))
+                return source is not None and bool(fs.exists(f"{root}/{source.shard_key(shard)}"))
             spill_fs, where = storage.locate(self.paths.spill_url(int(line["group"])), self.options.storage_options)
             return bool(spill_fs.exists(where))
 
         groups = [line for line in lines if "group" in line and present(line)]
         return staging.Journaled(seeded.batches, None, seeded.done_shards, groups)
 
-    def _decodes(self, arrays: Mapping[str, zarr.Array[Any]], partial: dict[str, Any]) -> bool:
+    def _decodes(self, arrays: Mapping[str, ArrayMeta], partial: dict[str, Any]) -> bool:
         """The half-filled batch reads back whole from its shard files (local OUTPUT only)."""
         from batchctl.store import format as fmt
         from batchctl.store.shards import read_chunk
@@ -635,10 +617,6 @@ class _Builder:
     def _record(self, discovery: Discovery, finished: Finished) -> incremental.Record:
         """The record of the dataset being published: its journal's batches (every row's file);
         for a Dask build, whose rows the client moved about, read from its `source` columns."""
-        import zarr
-
-        from batchctl.store import format as fmt
-
         stamps = {item.relpath: item for item in discovery.items}
         if self.options.engine == "local":
             batches = staging.resolve_journal(self.work.read_journal(), self.options.batch_size).batches
@@ -649,7 +627,6 @@ class _Builder:
             for error in self.report.errors
             if error.source in stamps
         }
-        group = zarr.open_group(self.paths.staging_url, mode="r", **self.paths.zarr_kwargs())
         return incremental.Record(
             build_id=self.build_id,
             spec=self.spec,
@@ -657,7 +634,7 @@ class _Builder:
             classes=discovery.classes,
             batch_size=self.options.batch_size,
             shard_batches=finished.shard_batches,
-            source_width=int(fmt.open_arrays(group)[meta.SOURCE].shape[1]),
+            source_width=self.paths.staging_files.arrays()[meta.SOURCE].shape[1],
             checksum=self.options.checksum,
             batches=batches,  # written without their chunks' places (`incremental.record_bytes`)
             skipped=skipped,
@@ -673,10 +650,11 @@ class _Builder:
         from batchctl.store import format as fmt
 
         group = zarr.open_group(self.paths.staging_url, mode="r", **self.paths.zarr_kwargs())
-        arrays = fmt.open_arrays(group)
+        arrays = dict(group.arrays())
         sources = fmt.decode_sources(np.asarray(arrays[meta.SOURCE][:])).tolist()
         indices = np.asarray(arrays[meta.SOURCE_INDEX][:]).tolist()
-        size, shard_rows = self.options.batch_size, int(arrays[meta.SOURCE].shards[0])  # type: ignore[index]
+        size = self.options.batch_size
+        shard_rows = self.paths.staging_files.arrays()[meta.SOURCE].grid[0]
         batches = []
         for number, start in enumerate(range(0, len(sources), size)):
             files: list[list[Any]] = []
@@ -737,12 +715,7 @@ class _Builder:
 
     def _publish(self, discovery: Discovery, fingerprint: str, finished: Finished, record: incremental.Record) -> None:
         """Mark the staging dataset complete (its last write), then move it and its record into place."""
-        import zarr
-
-        from batchctl.store import format as fmt
-
-        group = zarr.open_group(self.paths.staging_url, mode="r+", **self.paths.zarr_kwargs())
-        fmt.write_attrs(group, self._attrs(discovery, fingerprint, finished))
+        meta.write_dataset_attrs(self.paths.staging_files, self._attrs(discovery, fingerprint, finished))
         self.work.publish(incremental.record_bytes(record))
 
     def _end(self, status: Any, message: str = "") -> BuildReport:
@@ -770,15 +743,9 @@ def _mismatch_text(state: Mapping[str, Any], spec: Mapping[str, Any], source: st
     )
 
 
-def _copy_dataset_shards(fs: Any, root: str, dest: str, group: zarr.Group | None, shards: list[int]) -> None:
-    """Copy the metadata of the dataset at `root` (the group's and every array's `zarr.json`) and
+def _copy_dataset_shards(fs: Any, root: str, dest: str, arrays: Mapping[str, ArrayMeta], shards: list[int]) -> None:
+    """Copy the metadata of the dataset at `root` (the group's and its `arrays`' `zarr.json`) and
     the files of `shards` to `dest`: a dataset that reads those shards as the original did."""
-    import zarr
-
-    from batchctl.store import format as fmt
-
-    old = group if group is not None else zarr.open_group(root, mode="r")
-    arrays = fmt.open_arrays(old)
     fs.makedirs(dest, exist_ok=True)
     fs.copy(f"{root}/zarr.json", f"{dest}/zarr.json")
     for name in arrays:
@@ -788,14 +755,12 @@ def _copy_dataset_shards(fs: Any, root: str, dest: str, group: zarr.Group | None
         _copy_shard(fs, arrays, f"{root}/", shard, f"{dest}/", shard)
 
 
-def _copy_shard(fs: Any, arrays: Mapping[str, zarr.Array[Any]], src: str, old: int, dest: str, new: int) -> None:
+def _copy_shard(fs: Any, arrays: Mapping[str, ArrayMeta], src: str, old: int, dest: str, new: int) -> None:
     """Copy shard `old` of every array to shard `new` (server-side on an object store)."""
-    from batchctl.store import format as fmt
-
     for arr in arrays.values():
-        target = dest + fmt.shard_key(arr, new)
+        target = dest + arr.shard_key(new)
         fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
-        fs.copy(src + fmt.shard_key(arr, old), target)
+        fs.copy(src + arr.shard_key(old), target)
 
 
 def _link(src: Path, dst: Path) -> None:

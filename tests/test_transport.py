@@ -3,6 +3,7 @@ batchctl's own shard encoder."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -66,65 +67,102 @@ def test_a_dead_workers_ring_slot_is_retired() -> None:
     assert slots.claim(333) == first and not slots.ring_usable(first)  # then the retired one: the pipe
 
 
+def sized(files: fmt.DatasetFiles, arrays: dict[str, fmt.ArrayMeta], rows: int) -> dict[str, fmt.ArrayMeta]:
+    """The arrays `rows` long, their documents rewritten (as the collator does once it is done)."""
+    resized = {name: arr.resized(rows) for name, arr in arrays.items()}
+    for arr in resized.values():
+        files.write_array(arr)
+    return resized
+
+
 @pytest.mark.parametrize("compression", fmt.COMPRESSIONS)
 def test_shards_written_by_batchctl_read_back_in_zarr(tmp_path: Path, compression: str) -> None:
-    group = zarr.open_group(tmp_path / "d.zarr", mode="w")
-    schema = {"x": fmt.FieldSpec((3, 5), "float32"), "y": fmt.FieldSpec((), "uint8")}
+    files = fmt.DatasetFiles(str(tmp_path / "d.zarr"))
+    files.create_group({"note": "made by batchctl"})
+    schema = {"x": fmt.FieldSpec((3, 5), "float32"), "y": fmt.FieldSpec((), "uint8"), "ok": fmt.FieldSpec((2,), "bool")}
     layout = fmt.Layout(batch_size=4, shard_batches=3)
-    arrays = fmt.create_arrays(group, schema, layout, compression, labelled=True, source_bytes=3)
-    rng = np.random.default_rng(0)
     rows = 2 * layout.shard_rows + 7  # a short last shard with a short last chunk
+    rng = np.random.default_rng(0)
     columns = {
         "x": rng.random((rows, 3, 5), dtype=np.float32),
         "y": rng.integers(0, 255, rows).astype(np.uint8),
+        "ok": rng.random((rows, 2)) > 0.5,
         fmt.LABEL: rng.integers(0, 3, rows),
         fmt.SOURCE_INDEX: np.arange(rows) * 3,
         fmt.SOURCE: np.array([f"é{i}" if i < 10 else f"s{i}" for i in range(rows)], dtype=object),
     }
-    for arr in arrays.values():
-        arr.resize((rows, *arr.shape[1:]))
+    created = fmt.create_arrays(files, schema, layout, compression, True, 3, {n: c[:4] for n, c in columns.items()})
+    arrays = sized(files, created, rows)
     for shard in range(3):
         part = slice(shard * layout.shard_rows, (shard + 1) * layout.shard_rows)
-        fmt.write_shard_at(arrays, layout, shard, {name: column[part] for name, column in columns.items()})
+        fmt.write_shard_at(files, arrays, layout, shard, {name: column[part] for name, column in columns.items()})
     reopened = zarr.open_group(tmp_path / "d.zarr", mode="r")
+    assert reopened.attrs["note"] == "made by batchctl" and sorted(reopened.array_keys()) == sorted(columns)
     for name, column in columns.items():
         stored = reopened[name][:]
         assert np.array_equal(fmt.decode_sources(stored) if name == fmt.SOURCE else stored, column), name
+        assert files.arrays()[name] == arrays[name] == fmt.ArrayMeta.of_zarr(reopened[name])
     with pytest.raises(batchctl.FormatError, match="does not fit"):  # a longer path than the width
         fmt.encode_sources(["abcd"], 3)
-    reader = fmt.ChunkReader.for_array(fmt.DatasetRoot(tmp_path / "d.zarr"), reopened["x"])
+    reader = fmt.ChunkReader.for_array(fmt.DatasetRoot(tmp_path / "d.zarr"), arrays["x"])
     assert reader is not None
     assert np.array_equal(reader.read(6)[:3], columns["x"][24:27])
 
 
+ZARR_COMPRESSORS = {  # what docs/format.md prescribes, as zarr-python's codec objects
+    "zstd": lambda: [zarr.codecs.ZstdCodec(level=fmt.ZSTD_LEVEL, checksum=True)],
+    "blosc": lambda: [
+        zarr.codecs.BloscCodec(cname="zstd", clevel=fmt.ZSTD_LEVEL, shuffle="shuffle"),
+        zarr.codecs.Crc32cCodec(),
+    ],
+    "none": lambda: [zarr.codecs.Crc32cCodec()],
+}
+
+
 @pytest.mark.parametrize("compression", ["zstd", "blosc", "none"])
-@pytest.mark.parametrize(("dtype", "shape"), [("uint8", (5, 3)), ("float32", (4,)), ("int64", ())])
-def test_batchctls_shards_are_byte_identical_to_zarr_pythons(
+@pytest.mark.parametrize(
+    ("dtype", "shape"), [("uint8", (5, 3)), ("float32", (4,)), ("int64", ()), ("bool", (2,)), ("float16", ())]
+)
+def test_batchctls_documents_and_shards_are_zarr_pythons(
     tmp_path: Path, compression: str, dtype: str, shape: tuple[int, ...]
 ) -> None:
-    """One writer, standard shards: what batchctl's encoder writes (both engines) is the very file
-    zarr-python writes for the same data and metadata."""
+    """One writer, standard shards: the `zarr.json` documents batchctl writes without zarr-python,
+    and the shard files its encoder writes (both engines), are what zarr-python writes for the
+    same arrays and data."""
     layout = fmt.Layout(batch_size=4, shard_batches=3)
     rows = 10  # a short last chunk, and an empty position in the shard index
     data = (np.random.default_rng(1).random((rows, *shape)) * 100).astype(dtype)
     columns = {"x": data, fmt.SOURCE: np.array(["ab", "cdé"] * 5, dtype=object), fmt.SOURCE_INDEX: np.arange(rows)}
-    ours, theirs = (
-        fmt.create_arrays(
-            zarr.open_group(tmp_path / f"{who}.zarr", mode="w"),
-            {"x": fmt.FieldSpec(shape, dtype)},
-            layout,
-            compression,
-            labelled=False,
-            source_bytes=5,
+    files = fmt.DatasetFiles(str(tmp_path / "ours.zarr"))
+    files.create_group({"n": 1})
+    schema = {"x": fmt.FieldSpec(shape, dtype)}
+    ours = sized(files, fmt.create_arrays(files, schema, layout, compression, labelled=False, source_bytes=5), rows)
+    fmt.write_shard_at(files, ours, layout, 0, columns)
+    theirs = zarr.open_group(tmp_path / "theirs.zarr", mode="w", attributes={"n": 1})
+    for name, arr in ours.items():
+        made = theirs.create_array(
+            name,
+            shape=arr.shape,
+            dtype=arr.dtype,
+            chunks=arr.chunks,
+            shards=arr.shards,
+            compressors=ZARR_COMPRESSORS[compression](),
+            dimension_names=arr.dimension_names,
+            config={"write_empty_chunks": True},
         )
-        for who in ("ours", "theirs")
-    )
-    for arr in ours.values():
-        arr.resize((rows, *arr.shape[1:]))
-    fmt.write_shard_at(ours, layout, 0, columns)
-    for name, arr in theirs.items():
-        arr.resize((rows, *arr.shape[1:]))
-        arr[:] = fmt.stored_column(arr, name, columns[name])
+        made[:] = fmt.stored_column(arr, name, columns[name])
+    for key in ["zarr.json"] + [f"{name}/zarr.json" for name in ours]:
+        assert json.loads((tmp_path / "ours.zarr" / key).read_bytes()) == json.loads(
+            (tmp_path / "theirs.zarr" / key).read_bytes()
+        ), key
     for name in ours:
-        key = fmt.shard_key(ours[name], 0)
+        key = ours[name].shard_key(0)
         assert (tmp_path / "ours.zarr" / key).read_bytes() == (tmp_path / "theirs.zarr" / key).read_bytes(), name
+
+
+def test_fields_batchctl_cannot_store_are_refused_in_one_line(tmp_path: Path) -> None:
+    files = fmt.DatasetFiles(str(tmp_path / "d.zarr"))
+    files.create_group({})
+    layout = fmt.Layout(batch_size=4, shard_batches=3)
+    with pytest.raises(batchctl.FormatError, match="'name' has data type <U3: batchctl stores numbers"):
+        fmt.create_arrays(files, {"name": fmt.FieldSpec((), "<U3")}, layout, "zstd", False, 5)

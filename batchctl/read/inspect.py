@@ -103,8 +103,9 @@ def verify(
             problems.append(Problem(name, f"has {arr.shape[0]} rows, the metadata says {ds.num_samples}"))
         if arr.chunks[0] != ds.batch_size or (arr.shards and arr.shards[0] != shard_rows):
             problems.append(Problem(name, f"chunks {arr.chunks} / shards {arr.shards} break the batch layout"))
+        stored = fmt.ArrayMeta.of_zarr(arr)
         for shard in range(num_shards):
-            if fmt.shard_key(arr, shard) not in present:
+            if stored.shard_key(shard) not in present:
                 problems.append(Problem(f"{name} shard {shard}", "shard file is missing"))
     spec = {name: fmt.FieldSpec(tuple(s), d) for name, s, d in _field_specs(ds)}
     seen: set[tuple[str, int]] = set()

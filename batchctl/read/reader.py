@@ -44,7 +44,7 @@ class Dataset:
         # shard files are read straight from a local disk; a URL, or a layout batchctl does not
         # write, is read through zarr (which reads a missing shard as fill values: checked first)
         self._fast = {
-            name: fmt.ChunkReader.for_array(self._root, arr) if self._root else None
+            name: fmt.ChunkReader.for_array(self._root, fmt.ArrayMeta.of_zarr(arr)) if self._root else None
             for name, arr in self.arrays.items()
         }
         self._present: set[tuple[str, int]] = set()
@@ -86,7 +86,7 @@ class Dataset:
     def _read_zarr(self, name: str, arr: Any, start: int, stop: int) -> np.ndarray:
         shard = start // int(arr.shards[0] if arr.shards else arr.chunks[0])
         if (name, shard) not in self._present:
-            key = fmt.shard_key(arr, shard)
+            key = fmt.ArrayMeta.of_zarr(arr).shard_key(shard)
             fs, root = storage.locate(self.path, self.storage_options)
             if not fs.exists(f"{root}/{key}"):
                 if self._root is not None:

@@ -24,7 +24,6 @@ from multiprocessing.queues import Queue, SimpleQueue
 from typing import Any
 
 import numpy as np
-import zarr
 
 from batchctl.preprocess import Sample
 from batchctl.records import (
@@ -99,10 +98,10 @@ class Collator:
     def __init__(self, config: CollatorConfig, events: Queue[Event]) -> None:
         self.config = config
         self.events = events
-        self.group = zarr.open_group(config.paths.staging_url, mode="r+", **config.paths.zarr_kwargs())
+        self.files = config.paths.staging_files
         self.local_root = None if config.paths.remote else config.paths.staging
         self.work = staging.workdir(config.paths)
-        self.arrays = fmt.open_arrays(self.group)
+        self.arrays = self.files.arrays()
         self.schema: fmt.Schema | None = None
         self.layout: fmt.Layout | None = None
         self.encoders: dict[str, fmt.ChunkEncoder] = {}
@@ -123,11 +122,11 @@ class Collator:
         """Resume: continue the arrays an interrupted run created, in its open shard, from the
         half-filled batch it left (read back from that shard, whose file is cut before it)."""
         self.schema = {
-            name: fmt.FieldSpec(tuple(arr.shape[1:]), arr.dtype.name)
+            name: fmt.FieldSpec(tuple(arr.shape[1:]), arr.dtype)
             for name, arr in self.arrays.items()
             if name not in fmt.RESERVED_FIELDS
         }
-        shard_rows = self.arrays[fmt.SOURCE].shards[0]  # type: ignore[index]
+        shard_rows = self.arrays[fmt.SOURCE].grid[0]
         self._layout(fmt.Layout(self.config.batch_size, shard_rows // self.config.batch_size))
         resume = self.config.resume
         if resume.partial is not None:
@@ -165,7 +164,7 @@ class Collator:
         shard_batches = self.config.shard_batches or fmt.default_shard_batches(self.config.batch_size, self.schema)
         layout = fmt.Layout(self.config.batch_size, shard_batches)
         self.arrays = fmt.create_arrays(
-            self.group,
+            self.files,
             self.schema,
             layout,
             self.config.compression,
@@ -231,9 +230,11 @@ class Collator:
     def carry_over(self, carry: Carry, stopping: Callable[[], bool]) -> None:
         """Add the carried rows, one old shard at a time (memory: one shard); each part goes in
         whole and in sample order once its last old shard is read. Ends early when `stopping`."""
+        import zarr  # (only an incremental build carries rows: a fresh one never loads zarr)
+
         group = zarr.open_group(carry.url, mode="r", **storage.zarr_options(carry.url, carry.storage_options))
         assert self.schema is not None
-        old = fmt.RowReader(carry.url, {n: a for n, a in fmt.open_arrays(group).items() if n in self.schema})
+        old = fmt.RowReader(carry.url, {n: a for n, a in group.arrays() if n in self.schema})
         last_run = {run.key: i for i, run in enumerate(carry.runs)}
         pending: dict[PathKey, list[tuple[CarryRun, dict[str, np.ndarray]]]] = {}
         number = 0
@@ -321,7 +322,7 @@ class Collator:
     def _open_shards(self, shard: int, chunks: dict[str, list[shards.Chunk]]) -> None:
         self.open_index = shard
         self.open = {
-            name: shards.OpenShard(arr, shard, self.local_root, chunks.get(name, []))
+            name: shards.OpenShard(self.files, arr, shard, chunks.get(name, []))
             for name, arr in self.arrays.items()
         }
 
@@ -357,8 +358,9 @@ class Collator:
         if self.open:
             self._close_shards()
         self.threads.shutdown()
-        for arr in self.arrays.values():
-            arr.resize((self.samples, *arr.shape[1:]))
+        for name, arr in self.arrays.items():
+            self.arrays[name] = arr.resized(self.samples)
+            self.files.write_array(self.arrays[name])
         schema = {name: spec.to_json() for name, spec in (self.schema or {}).items()}
         shard_batches = self.layout.shard_batches if self.layout else 0
         batches = fmt.num_batches(self.samples, self.config.batch_size)

@@ -92,8 +92,8 @@ def run_group(spec: GroupSpec) -> GroupResult:
     rows = len(columns[fmt.SOURCE])
     full = rows == spec.layout.shard_rows
     if full:
-        group = zarr.open_group(spec.dataset, mode="r+", **storage.zarr_options(spec.dataset, spec.storage_options))
-        fmt.write_shard_at(fmt.open_arrays(group), spec.layout, spec.shard, columns)
+        files = fmt.DatasetFiles(spec.dataset, spec.storage_options)
+        fmt.write_shard_at(files, files.arrays(), spec.layout, spec.shard, columns)
     else:
         _store_spill(spec.spill, spec.storage_options, columns)
     return GroupResult(spec.index, results, rows, full, os.getpid(), os.uname().nodename)
@@ -154,11 +154,11 @@ def plan_compaction(full: list[int], spill_rows: int, shard_rows: int) -> Compac
     return Compaction(moves, rest, total)
 
 
-def move_shard(paths: BuildPaths, arrays: Mapping[str, zarr.Array[Any]], source: int, target: int) -> None:
+def move_shard(paths: BuildPaths, arrays: Mapping[str, fmt.ArrayMeta], source: int, target: int) -> None:
     """Move one whole shard's objects (their bytes do not depend on where the shard sits)."""
     fs, root = storage.locate(paths.staging_url, paths.storage_options)
     for arr in arrays.values():
-        src, dst = (f"{root}/{fmt.shard_key(arr, shard)}" for shard in (source, target))
+        src, dst = (f"{root}/{arr.shard_key(shard)}" for shard in (source, target))
         if fs.exists(src):
             fs.mv(src, dst)
 
@@ -206,15 +206,15 @@ class DaskRun:
     def __init__(self, job: DaskJob) -> None:
         self.job = job
         self.paths = job.paths
-        self.group = zarr.open_group(job.paths.staging_url, mode="r+", **job.paths.zarr_kwargs())
+        self.files = job.paths.staging_files
         self.workers_seen: set[str] = set()
         self.work = staging.workdir(self.paths)
 
     def run(self, tasks: list[Task]) -> Finished:
-        arrays = fmt.open_arrays(self.group)
+        arrays = self.files.arrays()
         if arrays:  # resumed, or seeded from the last build: the arrays say what they hold
             schema = {
-                name: fmt.FieldSpec(tuple(arr.shape[1:]), arr.dtype.name)
+                name: fmt.FieldSpec(tuple(arr.shape[1:]), arr.dtype)
                 for name, arr in arrays.items()
                 if name not in fmt.RESERVED_FIELDS
             }
@@ -241,16 +241,16 @@ class DaskRun:
 
     def _arrays(
         self, tasks: list[Task], schema: dict[str, fmt.FieldSpec], rows: dict[str, np.ndarray], client: Any
-    ) -> tuple[dict[str, zarr.Array[Any]], fmt.Layout]:
+    ) -> tuple[dict[str, fmt.ArrayMeta], fmt.Layout]:
         """The staging arrays: there already (their layout stands), or created now."""
-        arrays = fmt.open_arrays(self.group)
+        arrays = self.files.arrays()
         if arrays:
-            shard_rows = int(arrays[fmt.SOURCE].shards[0])  # type: ignore[index]
+            shard_rows = arrays[fmt.SOURCE].grid[0]
             return arrays, fmt.Layout(self.job.batch_size, shard_rows // self.job.batch_size)
         layout = fmt.Layout(self.job.batch_size, self._shard_batches(tasks, schema, client))
         job = self.job
         return fmt.create_arrays(
-            self.group, schema, layout, job.compression, job.labelled, job.source_bytes, rows
+            self.files, schema, layout, job.compression, job.labelled, job.source_bytes, rows
         ), layout
 
     def _run(
@@ -259,8 +259,9 @@ class DaskRun:
         arrays, layout = self._arrays(tasks, schema, rows, client)
         first = max((int(line["group"]) for line in self.job.kept_groups), default=-1) + 1
         groups = plan_groups(tasks, layout.shard_rows, _expected_rows)
-        for arr in arrays.values():  # sized for every group's shard up front: tasks write no metadata
-            arr.resize(((self.job.base + first + len(groups)) * layout.shard_rows, *arr.shape[1:]))
+        for name, arr in arrays.items():  # sized for every group's shard up front: tasks write no metadata
+            arrays[name] = arr.resized((self.job.base + first + len(groups)) * layout.shard_rows)
+            self.files.write_array(arrays[name])
         if not self.paths.remote:
             os.makedirs(os.path.dirname(self.paths.spill_url(0)), exist_ok=True)
         done = list(self.job.kept_groups)
@@ -294,7 +295,7 @@ class DaskRun:
     def _write_carry(self, carry: Carry, schema: Mapping[str, fmt.FieldSpec]) -> dict[str, Any]:
         """The rows carried over from the last build, as one spill (group -1), journaled."""
         old = zarr.open_group(carry.url, mode="r", **storage.zarr_options(carry.url, carry.storage_options))
-        reader = fmt.RowReader(carry.url, {n: a for n, a in fmt.open_arrays(old).items() if n in schema})
+        reader = fmt.RowReader(carry.url, {n: a for n, a in old.arrays() if n in schema})
         pieces: dict[str, list[np.ndarray]] = {name: [] for name in schema}
         for run in carry.runs:
             start = run.shard * carry.shard_rows + run.start
@@ -360,18 +361,21 @@ class DaskRun:
         finally:
             client.cancel(futures)
 
-    def _compact(self, arrays: Mapping[str, zarr.Array[Any]], layout: fmt.Layout, done: list[dict[str, Any]]) -> int:
+    def _compact(self, arrays: dict[str, fmt.ArrayMeta], layout: fmt.Layout, done: list[dict[str, Any]]) -> int:
         """Make the shards contiguous; the dataset's number of samples."""
         full = list(range(self.job.base)) + sorted(self._shard_of(int(g["group"])) for g in done if g["full"])
         spilled = sorted((g for g in done if not g["full"] and g["rows"]), key=lambda g: int(g["group"]))
         plan = plan_compaction(full, sum(int(g["rows"]) for g in spilled), layout.shard_rows)
         for source, target in plan.moves:
             move_shard(self.paths, arrays, source, target)
-        for arr in arrays.values():
-            arr.resize((plan.total_rows, *arr.shape[1:]))
+        for name, arr in arrays.items():
+            arrays[name] = arr.resized(plan.total_rows)
+            self.files.write_array(arrays[name])
+        fs, root = storage.locate(self.paths.staging_url, self.paths.storage_options)
+        fmt.remove_shards_from(arrays, fs, root, -(-plan.total_rows // layout.shard_rows))  # as zarr's resize does
         spills = [read_spill(self.paths.spill_url(int(g["group"])), self.paths.storage_options) for g in spilled]
         for index, columns in zip(plan.spill_shards, spill_rows(spills, layout.shard_rows), strict=True):
-            fmt.write_shard_at(arrays, layout, index, columns)
+            fmt.write_shard_at(self.files, arrays, layout, index, columns)
         return plan.total_rows
 
 

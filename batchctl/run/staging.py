@@ -28,6 +28,7 @@ from typing import Any
 from batchctl.errors import UsageError
 from batchctl.run.processes import signals_ignored
 from batchctl.store import storage
+from batchctl.store.zarrmeta import DatasetFiles
 
 RENAME_EXCHANGE = 2
 
@@ -114,6 +115,11 @@ class BuildPaths:
 
     def zarr_kwargs(self) -> dict[str, Any]:
         return storage.zarr_options(self.url, self.storage_options)
+
+    @property
+    def staging_files(self) -> DatasetFiles:
+        """The staging dataset's documents and shards, written without zarr-python."""
+        return DatasetFiles(self.staging_url, self.storage_options)
 
 
 class Workdir(ABC):

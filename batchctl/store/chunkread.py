@@ -14,11 +14,11 @@ from typing import Any
 import google_crc32c
 import numcodecs
 import numpy as np
-import zarr
 
 from batchctl.errors import DatasetReplacedError, FormatError
 from batchctl.store import storage
 from batchctl.store.codec import NO_CHUNK, own_codecs
+from batchctl.store.zarrmeta import ArrayMeta
 
 _SHARD_CACHE = 4
 
@@ -26,13 +26,14 @@ _SHARD_CACHE = 4
 class RowReader:
     """Rows `start:stop` of the arrays of a dataset (an incremental build's carried rows): read
     chunk by chunk straight from a local dataset's shard files (`ChunkReader`, several times
-    zarr-python's speed), through zarr otherwise."""
+    zarr-python's speed), through zarr otherwise (`arrays`: the arrays zarr-python opened)."""
 
-    def __init__(self, location: str, arrays: Mapping[str, zarr.Array[Any]]) -> None:
+    def __init__(self, location: str, arrays: Mapping[str, Any]) -> None:
         self.arrays = arrays
         self.root = None if storage.is_url(location) else DatasetRoot(Path(location))
         self.readers = {
-            name: ChunkReader.for_array(self.root, arr) if self.root else None for name, arr in arrays.items()
+            name: ChunkReader.for_array(self.root, ArrayMeta.of_zarr(arr)) if self.root else None
+            for name, arr in arrays.items()
         }
 
     def rows(self, name: str, start: int, stop: int) -> np.ndarray:
@@ -100,18 +101,18 @@ class ChunkReader:
     is checked. `for_array` returns None for any other layout, and the caller then uses zarr.
     """
 
-    def __init__(self, root: DatasetRoot, arr: zarr.Array[Any], inner: list[dict[str, Any]]) -> None:
+    def __init__(self, root: DatasetRoot, arr: ArrayMeta, inner: list[dict[str, Any]]) -> None:
         self.root = root
         self.arr = arr
         self.chunk_shape = tuple(int(n) for n in arr.chunks)
-        self.per_shard = int(arr.shards[0]) // self.chunk_shape[0]  # type: ignore[index]
+        self.per_shard = arr.grid[0] // self.chunk_shape[0]
         self.dtype = np.dtype(arr.dtype)
         self.inner = [codec["name"] for codec in inner]
         self._shards: dict[int, tuple[io.FileIO, mmap.mmap, np.ndarray]] = {}
         self._lock = threading.Lock()
 
     @classmethod
-    def for_array(cls, root: DatasetRoot, arr: zarr.Array[Any]) -> ChunkReader | None:
+    def for_array(cls, root: DatasetRoot, arr: ArrayMeta) -> ChunkReader | None:
         inner = own_codecs(arr)
         return None if inner is None else cls(root, arr, inner)
 
@@ -128,8 +129,7 @@ class ChunkReader:
 
     def _open(self, shard: int) -> tuple[io.FileIO, mmap.mmap, np.ndarray]:
         """The shard file, opened and mapped, and its index, checked against its crc32c."""
-        key = self.arr.metadata.encode_chunk_key((shard,) + (0,) * (len(self.chunk_shape) - 1))
-        file = self.root.open(f"{self.arr.path}/{key}", f"{self.arr.path} shard {shard}")
+        file = self.root.open(self.arr.shard_key(shard), f"{self.arr.name} shard {shard}")
         nbytes = self.per_shard * 16 + 4
         size = os.fstat(file.fileno()).st_size
         raw = os.pread(file.fileno(), nbytes, size - nbytes) if size >= nbytes else b""
@@ -146,7 +146,7 @@ class ChunkReader:
             raise
         except (RuntimeError, ValueError) as exc:  # what the decoders raise on bad bytes
             raise FormatError(
-                f"{self.arr.path} batch {chunk}: corrupt data ({exc}); `batchctl verify` lists all"
+                f"{self.arr.name} batch {chunk}: corrupt data ({exc}); `batchctl verify` lists all"
             ) from exc
 
     def _read(self, chunk: int) -> np.ndarray:
@@ -154,7 +154,7 @@ class ChunkReader:
         file, mapped, index = self._shard(shard)
         offset, nbytes = (int(v) for v in index[position])
         if offset == NO_CHUNK:  # zarr would read fill values; in a batchctl dataset it is damage
-            raise FormatError(f"{self.arr.path} shard {shard}: batch {chunk} is missing from the shard")
+            raise FormatError(f"{self.arr.name} shard {shard}: batch {chunk} is missing from the shard")
         out = np.empty(self.chunk_shape, self.dtype)  # decoded (or read) straight into a writable array
         raw_out = out.reshape(-1).view(np.uint8)
         if self.inner == ["bytes", "crc32c"] and nbytes == raw_out.nbytes + 4:

@@ -6,7 +6,6 @@ zarr-python's speed); `own_codecs` says which layouts these apply to.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -14,9 +13,9 @@ from typing import Any
 import google_crc32c
 import numcodecs
 import numpy as np
-import zarr
 
 from batchctl.errors import FormatError
+from batchctl.store.zarrmeta import ArrayMeta
 
 NO_CHUNK = 2**64 - 1  # an index entry of an empty chunk in the sharding_indexed codec
 
@@ -24,29 +23,31 @@ NO_CHUNK = 2**64 - 1  # an index entry of an empty chunk in the sharding_indexed
 _INNER_CODECS = (["bytes", "zstd"], ["bytes", "blosc", "crc32c"], ["bytes", "crc32c"])
 
 
-def own_codecs(arr: zarr.Array[Any]) -> list[dict[str, Any]] | None:
+def own_codecs(arr: ArrayMeta) -> list[dict[str, Any]] | None:
     """The inner codecs of `arr` when its layout is the one batchctl writes and decodes itself
     (`ChunkReader`, `ChunkEncoder`), else None:
     `sharding_indexed` with the index at the end (little-endian uint64 offset/nbytes pairs plus
     crc32c), one chunk across all but the first dimension, inner codecs bytes + zstd,
     bytes + blosc + crc32c, or bytes + crc32c, little-endian numbers."""
-    if arr.dtype.kind not in "biuf" or not arr.shards:
+    try:
+        kind = np.dtype(arr.dtype)
+    except TypeError:
         return None
-    (codec,) = arr.metadata.codecs  # type: ignore[union-attr]
-    sharding: dict[str, Any] = json.loads(json.dumps(codec.to_dict()))
-    config: dict[str, Any] = sharding.get("configuration") or {}
+    config = arr.sharding
+    if kind.kind not in "biuf" or config is None:
+        return None
     inner = list(config.get("codecs", ()))
     names = [codec["name"] for codec in inner]
     index_names = [codec["name"] for codec in config.get("index_codecs", ())]
     endian = (inner[0].get("configuration") or {}).get("endian", "little") if inner else None
-    little = np.dtype(arr.dtype).byteorder in "<|=" and endian == "little"
+    little = kind.byteorder in "<|=" and endian == "little"
     if (
-        sharding.get("name") != "sharding_indexed"
-        or config.get("index_location") != "end"
+        config.get("index_location") != "end"
         or index_names != ["bytes", "crc32c"]
         or names not in _INNER_CODECS
         or not little
-        or any(int(s) != int(c) for s, c in zip(arr.shards[1:], arr.chunks[1:], strict=True))
+        or len(arr.chunks) != arr.ndim
+        or any(int(s) != int(c) for s, c in zip(arr.grid[1:], arr.chunks[1:], strict=True))
     ):
         return None
     return inner
@@ -58,7 +59,7 @@ class ChunkEncoder:
     checksum, or blosc then crc32c, or the raw little-endian bytes then crc32c. A short last
     batch is padded with the fill value, as zarr does. zstd, blosc and crc32c release the GIL."""
 
-    def __init__(self, arr: zarr.Array[Any], inner: list[dict[str, Any]]) -> None:
+    def __init__(self, arr: ArrayMeta, inner: list[dict[str, Any]]) -> None:
         self.chunk_shape = tuple(int(n) for n in arr.chunks)
         self.dtype = np.dtype(arr.dtype)
         self.fill = arr.fill_value
@@ -81,10 +82,10 @@ class ChunkEncoder:
         self.crc = names[-1] == "crc32c"
 
     @classmethod
-    def for_array(cls, arr: zarr.Array[Any]) -> ChunkEncoder:
+    def for_array(cls, arr: ArrayMeta) -> ChunkEncoder:
         inner = own_codecs(arr)
         if inner is None:
-            raise FormatError(f"{arr.path}: not a layout batchctl writes (docs/format.md)")
+            raise FormatError(f"{arr.name}: not a layout batchctl writes (docs/format.md)")
         return cls(arr, inner)
 
     def encode(self, rows: np.ndarray) -> list[Any]:

@@ -13,17 +13,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numcodecs
 import numpy as np
-import zarr
-import zarr.codecs as zc
-import zarr.storage
-from zarr.core.array_spec import ArrayConfigParams
-from zarr.core.buffer import cpu
-from zarr.core.sync import sync
 
 from batchctl.errors import FormatError, IncompleteDatasetError
 from batchctl.store import storage
@@ -56,10 +49,15 @@ from batchctl.store.metadata import (  # the metadata, re-exported: `format` is 
     num_batches as num_batches,
     parse_compression as parse_compression,
     source_width as source_width,
+    write_dataset_attrs as write_dataset_attrs,
 )
+from batchctl.store.zarrmeta import ArrayMeta as ArrayMeta, DatasetFiles as DatasetFiles
 
-WRITE_CONFIG: ArrayConfigParams = {"write_empty_chunks": True}  # every shard is a file, even an all-zero one
+if TYPE_CHECKING:
+    import zarr
 
+# zarr-python is imported only where a dataset is read through it (`open_group`): a build writes
+# its documents and shards itself, and a process that imports zarr pays ~0.2 s for it.
 
 AUTO_KEEP = 0.8  # `auto` compresses a field whose sample chunk zstd shrinks below this fraction
 AUTO_SAMPLE_BYTES = 8 * 2**20
@@ -87,13 +85,16 @@ def _zstd_pays(rows: np.ndarray | None, batch_size: int) -> bool:
     return len(numcodecs.Zstd(level=ZSTD_LEVEL).encode(raw)) < AUTO_KEEP * raw.nbytes
 
 
-def _compressors(compression: str) -> list[Any]:
-    """Every chunk carries a checksum: zstd's own frame checksum, or a crc32c codec after blosc/none."""
+def compressors(compression: str) -> list[dict[str, Any]]:
+    """A chunk's codecs after `bytes`. Every chunk carries a checksum: zstd's own frame checksum,
+    or a crc32c codec after blosc or none."""
     if compression == "zstd":
-        return [zc.ZstdCodec(level=ZSTD_LEVEL, checksum=True)]
+        return [{"name": "zstd", "configuration": {"level": ZSTD_LEVEL, "checksum": True}}]
+    crc32c = {"name": "crc32c"}
     if compression == "blosc":
-        return [zc.BloscCodec(cname="zstd", clevel=ZSTD_LEVEL, shuffle="shuffle"), zc.Crc32cCodec()]
-    return [zc.Crc32cCodec()]
+        blosc = {"cname": "zstd", "clevel": ZSTD_LEVEL, "shuffle": "shuffle", "blocksize": 0}
+        return [{"name": "blosc", "configuration": blosc}, crc32c]
+    return [crc32c]
 
 
 def encode_sources(sources: Sequence[str] | np.ndarray, width: int) -> np.ndarray:
@@ -113,37 +114,37 @@ def decode_sources(rows: np.ndarray) -> np.ndarray:
 
 
 def create_arrays(
-    group: zarr.Group,
+    files: DatasetFiles,
     schema: Schema,
     layout: Layout,
     compression: str,
     labelled: bool,
     source_bytes: int,
     rows: Mapping[str, np.ndarray] | None = None,
-) -> dict[str, zarr.Array[Any]]:
+) -> dict[str, ArrayMeta]:
     """Create every array empty (shape 0): the collator appends batches to shards
     (`batchctl.store.shards`) and sets the length last; the Dask engine sizes them first (`write_shard_at`).
     `source_bytes` is the `source` array's width; `rows`, the first rows of each field, are what
     `auto` compression measures. Only core Zarr v3 data types, so that every array opens in
     tensorstore, Rust zarrs and anything else that reads Zarr v3."""
     compressions = field_compressions(compression, schema, layout.batch_size, rows or {})
-    columns: dict[str, tuple[tuple[int, ...], Any]] = {name: (spec.shape, spec.dtype) for name, spec in schema.items()}
+    columns: dict[str, tuple[tuple[int, ...], str]] = {name: (spec.shape, spec.dtype) for name, spec in schema.items()}
     if labelled:
         columns[LABEL] = ((), "int64")
     columns[SOURCE] = ((source_bytes,), "uint8")
     columns[SOURCE_INDEX] = ((), "int64")
     arrays = {}
     for name, (row_shape, dtype) in columns.items():
-        arrays[name] = group.create_array(
+        arrays[name] = ArrayMeta.sharded(
             name,
-            shape=(0, *row_shape),
-            dtype=dtype,
-            chunks=(layout.batch_size, *row_shape),
-            shards=(layout.shard_rows, *row_shape),
-            compressors=_compressors(compressions.get(name, "zstd" if compression == "auto" else compression)),
-            dimension_names=("sample", *dimension_names(name, len(row_shape))),
-            config=WRITE_CONFIG,
+            row_shape,
+            dtype,
+            layout.batch_size,
+            layout.shard_rows,
+            compressors(compressions.get(name, "zstd" if compression == "auto" else compression)),
+            ("sample", *dimension_names(name, len(row_shape))),
         )
+        files.write_array(arrays[name])
     return arrays
 
 
@@ -154,14 +155,11 @@ def dimension_names(name: str, ndim: int) -> list[str]:
     return [f"{name}_dim{i}" for i in range(ndim)]
 
 
-def open_arrays(group: zarr.Group) -> dict[str, zarr.Array[Any]]:
-    # the config is not stored with the array: give it again to every array that may be written
-    return {name: arr.with_config(WRITE_CONFIG) for name, arr in group.arrays()}
-
-
 def open_dataset_arrays(group: zarr.Group, attrs: DatasetAttrs, where: str) -> dict[str, zarr.Array[Any]]:
     """The arrays of a dataset being read, each one the attributes promise (a field whose
     `zarr.json` is gone would silently vanish from every row), all of one length."""
+    import zarr
+
     expected = [*attrs.fields, SOURCE_INDEX, SOURCE] + ([LABEL] if attrs.classes is not None else [])
     arrays = {}
     for name in expected if attrs.fields else []:
@@ -187,14 +185,14 @@ def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
-def stored_column(arr: zarr.Array[Any], name: str, column: Any) -> np.ndarray:
+def stored_column(arr: ArrayMeta, name: str, column: Any) -> np.ndarray:
     """A column as its array stores it: `source` paths (strings) as their UTF-8 bytes."""
     if name == SOURCE and np.asarray(column).dtype.kind in "OUT":
         return encode_sources(column, int(arr.shape[1]))
     return np.asarray(column)
 
 
-def _write_whole_shard(arr: zarr.Array[Any], layout: Layout, shard_index: int, data: np.ndarray) -> None:
+def _write_whole_shard(files: DatasetFiles, arr: ArrayMeta, layout: Layout, shard_index: int, data: np.ndarray) -> None:
     """Encode and store one whole shard ourselves (`ChunkEncoder`): zarr-python 3.1 reads the old
     shard back and assembles the new one in several copies, which cost more than compressing it."""
     encoder = ChunkEncoder.for_array(arr)
@@ -207,33 +205,15 @@ def _write_whole_shard(arr: zarr.Array[Any], layout: Layout, shard_index: int, d
         entries.append((offset, nbytes))
         pieces += encoded
         offset += nbytes
-    store_object(arr, shard_key(arr, shard_index), [*pieces, *shard_index_bytes(entries, layout.shard_batches)])
-
-
-def store_object(arr: zarr.Array[Any], key: str, pieces: list[Any]) -> None:
-    """Write one whole object of an array: a local file atomically, an object store by one PUT."""
-    if isinstance(arr.store, zarr.storage.LocalStore):
-        _write_atomically(Path(arr.store.root) / key, pieces)
-    else:  # an object store's PUT is atomic
-        sync(arr.store.set(key, cpu.Buffer.from_bytes(b"".join(pieces))))
-
-
-def _write_atomically(path: Path, pieces: list[Any]) -> None:
-    """As zarr's LocalStore does it (a temporary file renamed over the shard, so readers never see
-    a torn one), but written from the pieces without joining them into one more copy."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    try:
-        with tmp.open("wb") as file:
-            file.writelines(pieces)
-        tmp.replace(path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    files.write(arr.shard_key(shard_index), [*pieces, *shard_index_bytes(entries, layout.shard_batches)])
 
 
 def write_shard_at(
-    arrays: Mapping[str, zarr.Array[Any]], layout: Layout, shard_index: int, columns: Mapping[str, np.ndarray]
+    files: DatasetFiles,
+    arrays: Mapping[str, ArrayMeta],
+    layout: Layout,
+    shard_index: int,
+    columns: Mapping[str, np.ndarray],
 ) -> None:
     """Write shard `shard_index` whole into arrays already long enough to hold it: no metadata
     write, so several processes may each write their own shards at once (the Dask engine)."""
@@ -242,10 +222,10 @@ def write_shard_at(
         data = stored_column(arr, name, columns[name])
         if start + len(data) > arr.shape[0]:
             raise FormatError(f"shard {shard_index}: {name} ends at row {arr.shape[0]}, before {start + len(data)}")
-        _write_whole_shard(arr, layout, shard_index, data)
+        _write_whole_shard(files, arr, layout, shard_index, data)
 
 
-def remove_shards_from(arrays: Mapping[str, zarr.Array[Any]], fs: Any, root: str, first: int) -> None:
+def remove_shards_from(arrays: Mapping[str, ArrayMeta], fs: Any, root: str, first: int) -> None:
     """Delete every shard file numbered `first` or more (resuming drops what the journal does not
     vouch for). `fs` is the fsspec filesystem holding the dataset at `root`."""
     for name in arrays:
@@ -255,19 +235,6 @@ def remove_shards_from(arrays: Mapping[str, zarr.Array[Any]], fs: Any, root: str
             stale = [p for p, n in names if n.isdigit() and int(n) >= first]
             if stale:
                 fs.rm(stale, recursive=True)
-
-
-def shard_key(arr: zarr.Array[Any], shard_index: int) -> str:
-    """The key of shard `shard_index` of `arr`, relative to the dataset root."""
-    return f"{arr.path}/{_shard_key(arr, shard_index)}"
-
-
-def _shard_key(arr: zarr.Array[Any], shard_index: int) -> str:
-    return str(arr.metadata.encode_chunk_key((shard_index,) + (0,) * (arr.ndim - 1)))
-
-
-def write_attrs(group: zarr.Group, attrs: DatasetAttrs) -> None:
-    group.attrs.update({ATTRS_KEY: attrs.to_json()})
 
 
 def read_attrs(group: zarr.Group) -> DatasetAttrs:
@@ -282,6 +249,8 @@ def open_group(
 ) -> tuple[zarr.Group, DatasetAttrs]:
     """Open a dataset (a local path or a URL) for reading; refuse one that is not marked
     complete unless asked to."""
+    import zarr
+
     location = os.fspath(path)
     try:
         group = zarr.open_group(location, mode="r", **storage.zarr_options(location, storage_options))

@@ -17,6 +17,7 @@ import numpy as np
 
 from batchctl.errors import FormatError
 from batchctl.store import storage
+from batchctl.store.zarrmeta import DatasetFiles
 
 FORMAT_VERSION = 2  # 2: `source` as UTF-8 bytes in a uint8 array (core Zarr v3 types only)
 ATTRS_KEY = "batchctl"
@@ -150,3 +151,11 @@ def read_dataset_attrs(location: str, storage_options: Mapping[str, Any] | None 
         return DatasetAttrs.from_json(json.loads(raw)["attributes"][ATTRS_KEY])
     except Exception:  # noqa: BLE001 - missing, unreadable, not JSON, not ours: no dataset to trust
         return None
+
+
+def write_dataset_attrs(files: DatasetFiles, attrs: DatasetAttrs, new: bool = False) -> None:
+    """Set the group's batchctl attributes; `new`: a new, empty group in place of what was there."""
+    if new:
+        files.create_group({ATTRS_KEY: attrs.to_json()})
+    else:
+        files.update_group_attributes({ATTRS_KEY: attrs.to_json()})

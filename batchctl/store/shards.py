@@ -11,8 +11,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import zarr
-
 from batchctl.errors import FormatError
 from batchctl.store import format as fmt
 
@@ -22,15 +20,15 @@ Chunk = tuple[int, int]  # (offset, nbytes) of one encoded chunk in its shard
 class OpenShard:
     """One array's shard being filled: `append` a batch, `finish` with the index."""
 
-    def __init__(self, arr: zarr.Array[Any], shard_index: int, local_root: Path | None, chunks: list[Chunk]) -> None:
-        self.arr = arr
-        self.key = fmt.shard_key(arr, shard_index)
+    def __init__(self, files: fmt.DatasetFiles, arr: fmt.ArrayMeta, shard_index: int, chunks: list[Chunk]) -> None:
+        self.files = files
+        self.key = arr.shard_key(shard_index)
         self.chunks = list(chunks)  # already there (resumed), in order
         self.size = chunks[-1][0] + chunks[-1][1] if chunks else 0
         self.fd: int | None = None
         self.remote: dict[int, bytes] = {}  # remote: the bytes written, by offset, until the shard is whole
-        if local_root is not None:
-            path = local_root / self.key
+        if not files.remote:
+            path = Path(files.location) / self.key
             path.parent.mkdir(parents=True, exist_ok=True)
             self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
             os.ftruncate(self.fd, self.size)  # drops whatever was written after the last journaled batch
@@ -59,7 +57,7 @@ class OpenShard:
         index = fmt.shard_index_bytes(self.chunks, shard_batches)
         if self.fd is None:
             pieces = [self.remote[offset] for offset in sorted(self.remote)]
-            fmt.store_object(self.arr, self.key, [*pieces, *index])
+            self.files.write(self.key, [*pieces, *index])
             self.remote = {}
             return
         _pwritev_all(self.fd, index, self.size)
@@ -85,11 +83,11 @@ def _pwritev_all(fd: int, pieces: list[Any], offset: int) -> None:
             views[0] = views[0][written:]
 
 
-def read_chunk(arr: zarr.Array[Any], shard_index: int, local_root: Path, chunk: Chunk) -> bytes:
+def read_chunk(arr: fmt.ArrayMeta, shard_index: int, local_root: Path, chunk: Chunk) -> bytes:
     """The stored bytes of one chunk of a local shard file (a half-filled batch being resumed)."""
-    with open(local_root / fmt.shard_key(arr, shard_index), "rb") as file:
+    with open(local_root / arr.shard_key(shard_index), "rb") as file:
         file.seek(chunk[0])
         data = file.read(chunk[1])
     if len(data) != chunk[1]:
-        raise FormatError(f"{arr.path} shard {shard_index}: the file ends inside a journaled batch")
+        raise FormatError(f"{arr.name} shard {shard_index}: the file ends inside a journaled batch")
     return data
