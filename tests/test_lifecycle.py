@@ -4,6 +4,7 @@ and /dev/shm names (they carry the build's pid), and times from the signal."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import subprocess
@@ -101,3 +102,47 @@ def test_a_signal_raised_in_a_finalizer_prints_no_traceback() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.stdout.strip() == "acted on 15"
     assert "Signalled" not in result.stderr and "ValueError: other" in result.stderr
+
+
+def test_a_finished_command_exits_at_once_leaving_nothing_behind(photos: Path, tmp_path: Path) -> None:
+    """The CLI skips the interpreter's teardown (`__main__.exit_now`) and starts the fork server
+    before parsing its options: still the report is whole, the build's semaphores are unlinked
+    (no resource-tracker warning), every helper has closed the output pipes when the caller reads
+    to their end, and a command that needs no fork server (an up-to-date rerun, a usage error,
+    `--help`) ends the same way."""
+    from tests.stress import build_names
+
+    out, report = tmp_path / "d.zarr", tmp_path / "report.json"
+    for args, code in [
+        (["build", photos, "-o", out, "--quiet", "--report", report], 0),
+        (["build", photos, "-o", out, "--quiet"], 0),  # up to date: the fork server went unused
+        (["build", tmp_path / "missing", "-o", tmp_path / "x.zarr"], 2),
+        (["build", "--help"], 0),
+    ]:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "batchctl", *map(str, args)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        stdout, stderr = proc.communicate(timeout=120)  # returns once every holder of the pipes is gone
+        assert proc.returncode == code, stderr
+        assert build_names(proc.pid) == []
+        assert "leaked" not in stderr and "Traceback" not in stderr
+        if "--help" in args:
+            assert "SOURCE" in stdout  # flushed before the fast exit
+        elif code == 0:
+            assert stdout == "" and stderr == ""
+    assert json.loads(report.read_text())["status"] == "complete"
+
+
+def test_only_a_local_build_starts_the_fork_server_early() -> None:
+    from batchctl.__main__ import builds_locally
+
+    assert builds_locally(["build", "data", "-o", "x.zarr", "--workers", "2"])
+    assert builds_locally(["build", "engine", "--engine", "local"])
+    assert not builds_locally(["build", "data", "--engine", "dask"])
+    assert not builds_locally(["build", "data", "--engine=dask"])
+    assert not builds_locally(["build", "--help"])
+    assert not builds_locally(["info", "data.zarr"])
+    assert not builds_locally([])
