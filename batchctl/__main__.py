@@ -1,6 +1,7 @@
 """`python -m batchctl` and the `batchctl` console script."""
 
 import atexit
+import contextlib
 import os
 import signal
 import sys
@@ -59,10 +60,8 @@ def exit_now(code: object) -> None:
         print(code, file=sys.stderr)
     status = code if isinstance(code, int) else (0 if code is None else 1)
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(OSError, ValueError):  # a reader gone (`| head`), or a stream closed
             stream.flush()
-        except (OSError, ValueError):  # a reader gone (`| head`), or a stream closed
-            pass
     os._exit(status)
 
 
