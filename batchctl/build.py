@@ -52,8 +52,9 @@ from batchctl.version import __version__
 if TYPE_CHECKING:
     from batchctl.store.zarrmeta import ArrayMeta
 
-# The Zarr stack (zarr, batchctl.store.format) is imported by the methods that touch the arrays, not
-# here: a rerun that finds OUTPUT up to date never loads it (it reads `zarr.json` as JSON).
+# batchctl.store.format (numcodecs) is imported by the methods that encode or decode chunks, and
+# zarr-python only where a dataset is read through it: a fresh build writes its `zarr.json`
+# documents itself (`store.zarrmeta`), and a rerun that finds OUTPUT up to date reads them as JSON.
 
 PART_BYTES = 16 * 2**20  # big files are split into parts of about this much input
 
@@ -213,7 +214,7 @@ class _Builder:
         if not self.options.force and self._up_to_date(fingerprint):
             return self._end("up_to_date")
         if self.options.engine == "local":
-            start_forkserver()  # there is work: its preloads (zarr for the collator) run alongside our planning
+            start_forkserver()  # there is work (the CLI started it already): its preloads run alongside our planning
         if not discovery.items:
             raise BuildFailed(
                 f"nothing to build: no file under {self.source} is taken by the {self.preprocessor.name!r} "

@@ -51,8 +51,8 @@ CHUNKS_PER_WORKER = 3  # chunks in flight per worker: enough to keep it busy, fe
 
 
 def _collator_main(*args: Any) -> None:
-    """The collator process's entry: it alone needs the Zarr stack (the fork server preloads it),
-    so the parent never imports it to name the target."""
+    """The collator process's entry: it alone needs the codecs (the fork server preloads them), so
+    the parent never imports them to name the target."""
     from batchctl.run.collate import run_collator
 
     run_collator(*args)

@@ -12,9 +12,10 @@ signal the whole process group or cgroup; the OOM killer picks one process):
 - What a SIGKILL of the whole group leaves in /dev/shm (the semaphores; the sample ring has no
   name) carries the dead parent's pid, and any later build sweeps it (`sweep_dead_builds`).
 
-Kept free of heavy imports: the build starts the fork server as soon as it knows there is work
-(after the up-to-date check), and the server's preloads (numpy, Pillow, zarr for the collator)
-run alongside the parent's planning.
+Kept free of heavy imports: the `batchctl build` command starts the fork server before it even
+parses its options (`batchctl.__main__`), and a build called from Python as soon as it knows there
+is work; the server's preloads (numpy, Pillow, numcodecs for the collator) run alongside the
+parent's own imports and planning.
 """
 
 from __future__ import annotations
