@@ -9,9 +9,11 @@ written. Results go to benchmarks/results/latest.json and a PNG plot.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import platform
+import resource
 import shutil
 import subprocess
 import sys
@@ -29,6 +31,7 @@ from batchctl.synthetic import make_image_folder
 
 HERE = Path(__file__).resolve().parent
 CORES = len(os.sched_getaffinity(0))
+PR_SET_CHILD_SUBREAPER = 36
 
 
 def tree_rss(pid: int) -> int:
@@ -98,6 +101,43 @@ def serial_fraction(n: Threads, more: Threads, times: int) -> dict[str, Any]:
         "serial_fraction": round(marginal.get(busiest, 0.0) / worker, 4) if worker else None,
         "all_roles_cpu_s_per_n_files": {role: round(cpu, 3) for role, cpu in sorted(marginal.items())},
     }
+
+
+def become_subreaper() -> None:
+    """Make this process the reaper of its orphaned descendants (Linux), so that the CPU of every
+    process a command starts (the fork server and its children outlive their parent by a moment)
+    is counted in this process's RUSAGE_CHILDREN once they are reaped (`tree_cpu_s`)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
+
+
+def _reap_orphans() -> None:
+    """Wait for every descendant left (orphans reparented to this subreaper)."""
+    while True:
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            return
+
+
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def tree_cpu_s(cmd: list[str]) -> tuple[float, float]:
+    """Wall time and CPU seconds (user + system) of a command and all its descendants."""
+    os.sync()
+    _reap_orphans()
+    before = _children_cpu_s()
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    elapsed = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr}")
+    _reap_orphans()
+    return elapsed, _children_cpu_s() - before
 
 
 def run_measured(cmd: list[str], threads: Threads | None = None) -> tuple[float, int, subprocess.CompletedProcess[str]]:
@@ -311,6 +351,10 @@ def bench_tiny(root: Path, count: int, results: dict[str, Any]) -> None:
     args = ("--preprocess", "npy", "--batch-size", "256")
     elapsed, peak, _ = run_measured(batchctl_cmd(src, root / "tiny.zarr", CORES, *args))
     elapsed_2x, _, _ = run_measured(batchctl_cmd(double, root / "tiny2x.zarr", CORES, *args))
+    # CPU of every process, from N to 2N files (start-up left out), less the per-file function's
+    _, cpu = tree_cpu_s(batchctl_cmd(src, root / "tiny_cpu.zarr", CORES, *args))
+    _, cpu_2x = tree_cpu_s(batchctl_cmd(double, root / "tiny2x_cpu.zarr", CORES, *args))
+    per_file_us = (cpu_2x - cpu) / count * 1e6
     results["tiny"] = {
         "files": count,
         "serial_rate": round(r, 1),
@@ -318,6 +362,8 @@ def bench_tiny(root: Path, count: int, results: dict[str, Any]) -> None:
         "marginal_samples_per_s": round(count / (elapsed_2x - elapsed), 1),
         "fixed_cost_s": round(2 * elapsed - elapsed_2x, 2),
         "peak_rss_mib": round(peak / 2**20, 1),
+        "cpu_us_per_file": round(per_file_us, 1),
+        "cpu_us_per_file_beyond_fn": round(per_file_us - 1e6 / r, 1),
     }
 
 
@@ -479,6 +525,7 @@ def main() -> None:
         action="append",
     )
     args = parser.parse_args()
+    become_subreaper()
     results: dict[str, Any] = {
         "machine": f"{platform.processor() or platform.machine()}, {CORES} cores, Python {platform.python_version()}",
         "date": time.strftime("%Y-%m-%d"),

@@ -164,5 +164,6 @@ def test_fields_batchctl_cannot_store_are_refused_in_one_line(tmp_path: Path) ->
     files = fmt.DatasetFiles(str(tmp_path / "d.zarr"))
     files.create_group({})
     layout = fmt.Layout(batch_size=4, shard_batches=3)
-    with pytest.raises(batchctl.FormatError, match="'name' has data type <U3: batchctl stores numbers"):
-        fmt.create_arrays(files, {"name": fmt.FieldSpec((), "<U3")}, layout, "zstd", False, 5)
+    for dtype in ("<U3", "complex64", "object"):
+        with pytest.raises(batchctl.FormatError, match=f"'name' has data type {dtype}: batchctl stores integers"):
+            fmt.create_arrays(files, {"name": fmt.FieldSpec((), dtype)}, layout, "zstd", False, 5)

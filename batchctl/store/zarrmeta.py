@@ -22,7 +22,7 @@ from batchctl.errors import FormatError
 from batchctl.store import storage
 
 ZARR_JSON = "zarr.json"
-STORED_KINDS = "biufc"  # booleans and numbers: the core Zarr v3 data types batchctl stores
+STORED_KINDS = "biuf"  # booleans, integers and floats: the core Zarr v3 data types batchctl stores
 
 
 @dataclass(frozen=True)
@@ -145,10 +145,11 @@ class ArrayMeta:
         zarr-python's `create_array(..., shards=...)` writes."""
         kind = np.dtype(dtype)
         if kind.kind not in STORED_KINDS or not kind.isnative:
-            raise FormatError(f"field {name!r} has data type {kind}: batchctl stores numbers and booleans only")
-        itemsize = kind.itemsize if kind.kind != "c" else kind.itemsize // 2
+            raise FormatError(
+                f"field {name!r} has data type {kind}: batchctl stores integers, floats and booleans only"
+            )
         as_bytes: dict[str, Any] = {"name": "bytes"}
-        if itemsize > 1:
+        if kind.itemsize > 1:
             as_bytes["configuration"] = {"endian": "little"}
         inner = [as_bytes, *(_with_typesize(codec, kind.itemsize) for codec in compressors)]
         sharding = {
@@ -166,7 +167,7 @@ class ArrayMeta:
             dtype=kind.name,
             grid=(shard_rows, *row_shape),
             codecs=(sharding,),
-            fill_value=_fill_value(kind),
+            fill_value=False if kind.kind == "b" else 0.0 if kind.kind == "f" else 0,
             dimension_names=tuple(dimension_names),
         )
 
@@ -176,16 +177,6 @@ def _with_typesize(codec: dict[str, Any], itemsize: int) -> dict[str, Any]:
     if codec["name"] != "blosc":
         return codec
     return {"name": "blosc", "configuration": {"typesize": itemsize, **codec["configuration"]}}
-
-
-def _fill_value(kind: np.dtype[Any]) -> Any:
-    if kind.kind == "b":
-        return False
-    if kind.kind == "f":
-        return 0.0
-    if kind.kind == "c":
-        return [0.0, 0.0]
-    return 0
 
 
 def group_json(attributes: Mapping[str, Any]) -> dict[str, Any]:
