@@ -50,7 +50,7 @@ from batchctl.store.storage import SourceRoot
 from batchctl.version import __version__
 
 if TYPE_CHECKING:
-    from batchctl.store.zarrmeta import ArrayMeta
+    from batchctl.store.zarrmeta import ArrayMeta, DatasetFiles
 
 # batchctl.store.format (numcodecs) is imported by the methods that encode or decode chunks, and
 # zarr-python only where a dataset is read through it: a fresh build writes its `zarr.json`
@@ -377,26 +377,28 @@ class _Builder:
         where it moves shards in place, the next run builds everything)."""
         from batchctl.store import format as fmt
 
-        fs, root = storage.locate(self.output, self.options.storage_options)
         carry_from = self.output
         files = self.paths.staging_files
         if self.paths.remote:
             # no longer complete, nor the build its record names: its shards move now
             fmt.write_dataset_attrs(files, self._attrs(discovery))
+            fs, root = storage.locate(self.output, self.options.storage_options)
             carry_from = f"{self.paths.workdir_url}/previous.zarr"
             arrays = files.arrays()
-            _copy_dataset_shards(fs, root, storage.fs_path(carry_from), arrays, sorted({r.shard for r in plan.carry}))
+            _copy_metadata(files, fmt.DatasetFiles(carry_from, self.options.storage_options), arrays)
+            for shard in sorted({r.shard for r in plan.carry}):
+                _copy_shard(fs, arrays, f"{root}/", shard, f"{storage.fs_path(carry_from)}/", shard)
             for new, old in enumerate(plan.kept_shards):
                 if new != old:
                     _copy_shard(fs, arrays, f"{root}/", old, f"{root}/", new)
-            fmt.remove_shards_from(arrays, fs, root, len(plan.kept_shards))
+            fmt.remove_shards_from(files, arrays, len(plan.kept_shards))
         else:
-            staging_root = str(self.paths.staging)
-            arrays = fmt.DatasetFiles(root).arrays()
-            _copy_dataset_shards(fs, root, staging_root, arrays, [])
+            published = fmt.DatasetFiles(self.output)
+            arrays = published.arrays()
+            _copy_metadata(published, files, arrays)
             for new, old in enumerate(plan.kept_shards):
                 for arr in arrays.values():
-                    source, target = Path(root) / arr.shard_key(old), Path(staging_root) / arr.shard_key(new)
+                    source, target = self.paths.output / arr.shard_key(old), self.paths.staging / arr.shard_key(new)
                     if new < len(plan.done_shards):
                         _link(source, target)
                     else:  # the open tail grows: a copy of its own, never a link to the published file
@@ -530,14 +532,14 @@ class _Builder:
             return staging.Journaled([], None, 0)
         kept = staging.resolve_journal(self.work.read_journal(), self.options.batch_size)
         batches, partial = kept.batches, kept.partial
-        fs, root = storage.locate(self.paths.staging_url, self.paths.storage_options)
+        files = self.paths.staging_files
         sizes: dict[str, int] = {}
 
         def present(batch: dict[str, Any]) -> bool:
             for name, arr in arrays.items():
                 key = arr.shard_key(int(batch["shard"]))
                 if key not in sizes:
-                    sizes[key] = int(fs.size(f"{root}/{key}")) if fs.exists(f"{root}/{key}") else -1
+                    sizes[key] = files.size(key)
                 offset, nbytes = batch["chunks"][name]
                 if sizes[key] < offset + nbytes:
                     return False
@@ -550,7 +552,7 @@ class _Builder:
         if partial is not None and not self._decodes(arrays, partial):
             partial = None
         journaled = staging.Journaled(batches, partial, done)
-        fmt.remove_shards_from(arrays, fs, root, max((b["shard"] for b in journaled.kept), default=-1) + 1)
+        fmt.remove_shards_from(files, arrays, max((b["shard"] for b in journaled.kept), default=-1) + 1)
         return journaled
 
     def _journaled_groups(self) -> staging.Journaled:
@@ -558,13 +560,13 @@ class _Builder:
         shards) and the groups it finished whose shard or spill object is really there."""
         lines = self.work.read_journal()
         seeded = staging.resolve_journal(lines, self.options.batch_size)
-        source = self.paths.staging_files.arrays().get(meta.SOURCE)
-        fs, root = storage.locate(self.paths.staging_url, self.paths.storage_options)
+        files = self.paths.staging_files
+        source = files.arrays().get(meta.SOURCE)
 
         def present(line: dict[str, Any]) -> bool:
             if line["full"]:
                 shard = seeded.done_shards + int(line["group"])
-                return source is not None and bool(fs.exists(f"{root}/{source.shard_key(shard)}"))
+                return source is not None and files.size(source.shard_key(shard)) >= 0
             spill_fs, where = storage.locate(self.paths.spill_url(int(line["group"])), self.options.storage_options)
             return bool(spill_fs.exists(where))
 
@@ -744,16 +746,11 @@ def _mismatch_text(state: Mapping[str, Any], spec: Mapping[str, Any], source: st
     )
 
 
-def _copy_dataset_shards(fs: Any, root: str, dest: str, arrays: Mapping[str, ArrayMeta], shards: list[int]) -> None:
-    """Copy the metadata of the dataset at `root` (the group's and its `arrays`' `zarr.json`) and
-    the files of `shards` to `dest`: a dataset that reads those shards as the original did."""
-    fs.makedirs(dest, exist_ok=True)
-    fs.copy(f"{root}/zarr.json", f"{dest}/zarr.json")
-    for name in arrays:
-        fs.makedirs(f"{dest}/{name}", exist_ok=True)
-        fs.copy(f"{root}/{name}/zarr.json", f"{dest}/{name}/zarr.json")
-    for shard in shards:
-        _copy_shard(fs, arrays, f"{root}/", shard, f"{dest}/", shard)
+def _copy_metadata(source: DatasetFiles, dest: DatasetFiles, arrays: Mapping[str, ArrayMeta]) -> None:
+    """Copy the group's and `arrays`' `zarr.json` documents: with the shards copied too, `dest`
+    reads them as `source` did."""
+    for key in ["zarr.json", *(f"{name}/zarr.json" for name in arrays)]:
+        dest.write(key, [source.read(key)])
 
 
 def _copy_shard(fs: Any, arrays: Mapping[str, ArrayMeta], src: str, old: int, dest: str, new: int) -> None:

@@ -371,8 +371,7 @@ class DaskRun:
         for name, arr in arrays.items():
             arrays[name] = arr.resized(plan.total_rows)
             self.files.write_array(arrays[name])
-        fs, root = storage.locate(self.paths.staging_url, self.paths.storage_options)
-        fmt.remove_shards_from(arrays, fs, root, -(-plan.total_rows // layout.shard_rows))  # as zarr's resize does
+        fmt.remove_shards_from(self.files, arrays, -(-plan.total_rows // layout.shard_rows))  # as zarr's resize did
         spills = [read_spill(self.paths.spill_url(int(g["group"])), self.paths.storage_options) for g in spilled]
         for index, columns in zip(plan.spill_shards, spill_rows(spills, layout.shard_rows), strict=True):
             fmt.write_shard_at(self.files, arrays, layout, index, columns)

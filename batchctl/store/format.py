@@ -225,16 +225,12 @@ def write_shard_at(
         _write_whole_shard(files, arr, layout, shard_index, data)
 
 
-def remove_shards_from(arrays: Mapping[str, ArrayMeta], fs: Any, root: str, first: int) -> None:
+def remove_shards_from(files: DatasetFiles, arrays: Mapping[str, ArrayMeta], first: int) -> None:
     """Delete every shard file numbered `first` or more (resuming drops what the journal does not
-    vouch for). `fs` is the fsspec filesystem holding the dataset at `root`."""
+    vouch for): what lies under `NAME/c/` (the default chunk key encoding) named by a number."""
     for name in arrays:
-        shard_dir = f"{root}/{name}/c"
-        if fs.isdir(shard_dir):
-            names = [(p, p.rsplit("/", 1)[-1]) for p in fs.ls(shard_dir, detail=False)]
-            stale = [p for p, n in names if n.isdigit() and int(n) >= first]
-            if stale:
-                fs.rm(stale, recursive=True)
+        folder = f"{name}/c"
+        files.remove([f"{folder}/{n}" for n in files.listdir(folder) if n.isdigit() and int(n) >= first])
 
 
 def read_attrs(group: zarr.Group) -> DatasetAttrs:

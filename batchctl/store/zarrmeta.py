@@ -225,6 +225,43 @@ class DatasetFiles:
             tmp.unlink(missing_ok=True)
             raise
 
+    def size(self, key: str) -> int:
+        """The bytes of the object `key`, or -1 when there is none."""
+        if self.remote:
+            fs, root = storage.locate(self.location, self.storage_options)
+            return int(fs.size(f"{root}/{key}")) if fs.exists(f"{root}/{key}") else -1
+        try:
+            return os.stat(Path(self.location) / key).st_size
+        except FileNotFoundError:
+            return -1
+
+    def listdir(self, prefix: str) -> list[str]:
+        """The names directly under the folder (or prefix) `prefix`; none when there is none."""
+        if self.remote:
+            fs, root = storage.locate(self.location, self.storage_options)
+            where = f"{root}/{prefix}"
+            listed = fs.ls(where, detail=False) if fs.isdir(where) else []
+            return [name.rstrip("/").rsplit("/", 1)[-1] for name in listed]
+        try:
+            return os.listdir(Path(self.location) / prefix)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def remove(self, keys: Sequence[str]) -> None:
+        """The objects or folders `keys`, with everything under them."""
+        if not keys:
+            return
+        if self.remote:
+            fs, root = storage.locate(self.location, self.storage_options)
+            fs.rm([f"{root}/{key}" for key in keys], recursive=True)
+            return
+        for key in keys:
+            path = Path(self.location) / key
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
+
     def create_group(self, attributes: Mapping[str, Any]) -> None:
         """A new, empty group with these attributes in place of whatever was at the location."""
         if self.remote:
