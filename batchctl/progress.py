@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
-from tqdm import tqdm
+if TYPE_CHECKING:
+    from tqdm import tqdm
+
+# tqdm is imported only to draw bars on a terminal: its import (~20 ms, most of it reading package
+# metadata) is not worth paying under cron, systemd or a pipe, nor with --quiet.
 
 LOG_INTERVAL_S = 5.0
 
@@ -47,6 +51,8 @@ class ConsoleProgress(Progress):
         self.total, self.batch_count, self.unit = tasks, batches_done, "part" if split else "file"
         self.started = self.last_log = time.monotonic()
         if self.bars:
+            from tqdm import tqdm
+
             self.files = tqdm(total=tasks, desc="preprocess", unit=self.unit, file=self.stream, dynamic_ncols=True)
             self.batches = tqdm(initial=batches_done, desc="write", unit="batch", file=self.stream, dynamic_ncols=True)
 
@@ -83,7 +89,7 @@ class ConsoleProgress(Progress):
 
     def _write(self, text: str) -> None:
         if self.files is not None:
-            tqdm.write(text, file=self.stream)
+            self.files.write(text, file=self.stream)
         else:
             print(text, file=self.stream, flush=True)
 
