@@ -9,6 +9,7 @@ written. Results go to benchmarks/results/latest.json and a PNG plot.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import os
@@ -112,13 +113,13 @@ def become_subreaper() -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
 
 
-def _reap_orphans() -> None:
-    """Wait for every descendant left (orphans reparented to this subreaper)."""
-    while True:
-        try:
-            os.waitpid(-1, 0)
-        except ChildProcessError:
-            return
+def _children() -> set[int]:
+    """This process's children (orphans reparented to it included)."""
+    pids: set[int] = set()
+    for task in Path("/proc/self/task").iterdir():
+        with contextlib.suppress(OSError):
+            pids.update(int(pid) for pid in (task / "children").read_text().split())
+    return pids
 
 
 def _children_cpu_s() -> float:
@@ -127,16 +128,20 @@ def _children_cpu_s() -> float:
 
 
 def tree_cpu_s(cmd: list[str]) -> tuple[float, float]:
-    """Wall time and CPU seconds (user + system) of a command and all its descendants."""
+    """Wall time and CPU seconds (user + system) of a command and all its descendants: those
+    that outlive it (its fork server and resource tracker, for a moment) are reaped here, and
+    only those (this process's own helpers, such as its resource tracker, live on)."""
     os.sync()
-    _reap_orphans()
+    ours = _children()
     before = _children_cpu_s()
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     elapsed = time.perf_counter() - start
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr}")
-    _reap_orphans()
+    for pid in _children() - ours:  # they closed the output pipes: gone, or about to be
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
     return elapsed, _children_cpu_s() - before
 
 
