@@ -32,8 +32,9 @@ def main() -> None:
     quiet_unraisable_signals()
     try:
         if builds_locally(sys.argv[1:]):
-            from batchctl.run.processes import start_forkserver
+            from batchctl.run.processes import limit_library_threads, start_forkserver
 
+            limit_library_threads()  # before this process imports numpy
             start_forkserver()
         from batchctl.cli import run
     except (Signalled, Exception) as exc:  # a signal while still importing (perhaps wrapped)

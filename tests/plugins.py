@@ -66,3 +66,9 @@ def big_endian(path: Path) -> dict[str, np.ndarray]:
 def bin_length(path: Path, scale: int = 1) -> dict[str, np.ndarray]:
     """Declares its files: only `.bin` files are samples (a README.md beside them is not)."""
     return {"length": np.int64(path.stat().st_size * scale)}
+
+
+def library_threads(path: Path) -> dict[str, np.ndarray]:
+    """The thread counts BLAS and OpenMP were given in the worker's environment (0: none given)."""
+    names = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+    return {"threads": np.array([int(os.environ.get(name, "0")) for name in names], np.int32)}

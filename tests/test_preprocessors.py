@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import wave
 from pathlib import Path
 
@@ -142,6 +143,28 @@ def test_plugin_module_and_file_with_a_failing_file(tmp_path: Path) -> None:
         assert set(rows) == {"one.bin", "two.bin"}
         np.testing.assert_array_equal(rows["one.bin"][0], np.arange(7, 15, dtype=np.float32))
         assert rows["two.bin"][1] == 10
+
+
+def test_workers_run_one_blas_thread_unless_the_user_says(tmp_path: Path) -> None:
+    """A build runs a process per core: BLAS and OpenMP get one thread each in the workers, unless
+    the user set a number; a build called from Python leaves the caller's environment as it was."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("a.bin", "b.bin"):
+        (src / name).write_bytes(b"x")
+    names = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+    unset = {key: value for key, value in os.environ.items() if key not in names}
+    plugin = ["--preprocess", "tests.plugins:library_threads", "--quiet"]
+    for env, expected in [(unset, [1, 1, 1]), ({**unset, "OMP_NUM_THREADS": "4"}, [1, 4, 1])]:
+        out = tmp_path / f"cli{expected[1]}.zarr"
+        result = run_cli("build", src, "-o", out, *plugin, env=env)
+        assert result.returncode == 0, result.stderr
+        assert [row.tolist() for batch in batchctl.open(out) for row in batch["threads"]] == [expected] * 2
+    before = dict(os.environ)
+    batchctl.build(src, tmp_path / "api.zarr", preprocess="tests.plugins:library_threads")
+    assert dict(os.environ) == before
+    rows = [row.tolist() for batch in batchctl.open(tmp_path / "api.zarr") for row in batch["threads"]]
+    assert rows == [[int(os.environ.get(name, "1")) for name in names]] * 2
 
 
 def test_plugin_whose_shape_changes_for_one_file(tmp_path: Path) -> None:
