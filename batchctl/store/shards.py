@@ -3,6 +3,11 @@ encoded chunks one after another, then the index, so a batch is appended the mom
 and the index is written last. A local shard file grows in place and is fsynced before the
 journal names its batches; an object store cannot append, so a remote shard is sent whole, in
 one PUT, once its last batch is in.
+
+Once fsynced, a shard's pages leave the page cache (`_drop_cached`): a build writes far more than
+anyone reads back soon, and the next batches then reuse the freed pages. Taking fresh pages
+instead cost this project's VM ~2 ms of kernel CPU per MB written (0.17 ms/MB for pages just
+freed): ~0.35 ms per 224x224 photo, 8% of a worker's time, on two cores shared with the workers.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ class OpenShard:
     def sync(self) -> None:
         if self.fd is not None:
             os.fsync(self.fd)
+            _drop_cached(self.fd)
 
     def finish(self, shard_batches: int) -> None:
         """Write the index (local: then fsync and close; remote: the whole shard in one PUT)."""
@@ -62,12 +68,20 @@ class OpenShard:
             return
         _pwritev_all(self.fd, index, self.size)
         os.fsync(self.fd)
+        _drop_cached(self.fd)
         self.close()
 
     def close(self) -> None:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+
+def _drop_cached(fd: int) -> None:
+    """Let the kernel free the file's cached pages; only clean ones go, so call it after fsync
+    (a no-op where there is no posix_fadvise)."""
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 def _pwritev_all(fd: int, pieces: list[Any], offset: int) -> None:
