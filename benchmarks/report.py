@@ -26,6 +26,13 @@ def check_goals(results: dict[str, Any]) -> list[tuple[str, bool]]:
                 f"{ceiling['ratio_to_ideal']:.2f} x W x r; batchctl reaches "
                 f"{best['samples_per_s'] / ceiling['samples_per_s']:.2f} of it"
             )
+        steady = results["images"].get("steady")
+        if steady is not None:
+            print(
+                f"[info] steady state (N -> 4N files, start-up and tail left out): "
+                f"{steady['ratio_to_ideal']:.2f} x W x r with W={steady['workers']}; "
+                f"start-up and tail {steady['fixed_cost_s']:.2f} s"
+            )
         mem = results["images"]["memory"]
         goals.append((f"peak RSS N -> 4N grows <= 25%: {mem['growth'] * 100:+.0f}%", mem["growth"] <= 0.25))
         cap = (best["workers"] + 2) * 200

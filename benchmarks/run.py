@@ -272,13 +272,20 @@ def bench_images(root: Path, count: int, results: dict[str, Any]) -> None:
             os.link(path, target)
     threads_n: Threads = {}
     threads_4n: Threads = {}
-    _, peak_n, _ = run_measured(batchctl_cmd(src, root / "mem1.zarr", CORES), threads_n)
-    _, peak_4n, _ = run_measured(batchctl_cmd(big, root / "mem4.zarr", CORES), threads_4n)
+    elapsed_n, peak_n, _ = run_measured(batchctl_cmd(src, root / "mem1.zarr", CORES), threads_n)
+    elapsed_4n, peak_4n, _ = run_measured(batchctl_cmd(big, root / "mem4.zarr", CORES), threads_4n)
+    steady = 3 * count / (elapsed_4n - elapsed_n)  # from N to 4N files: start-up and tail left out
     results["images"] = {
         "files": count,
         "serial_rate": round(r, 1),
         "rows": rows,
         "threads": {"workers": CORES, "files_n": count, **serial_fraction(threads_n, threads_4n, 3)},
+        "steady": {
+            "workers": CORES,
+            "samples_per_s": round(steady, 1),
+            "ratio_to_ideal": round(steady / (CORES * r), 3),
+            "fixed_cost_s": round(elapsed_n - count / steady, 2),
+        },
         "memory": {
             "files_n": count,
             "peak_rss_n_mib": round(peak_n / 2**20, 1),
