@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from batchctl.records import Task, TaskOutput, WorkItem
-from batchctl.run.mpinternals import name_semaphores_after, pool_workers, shut_down_pool
+from batchctl.run.mpinternals import QuietPool, name_semaphores_after, pool_workers, shut_down_pool
 from batchctl.run.processes import mp_context, sweep_dead_builds
 from batchctl.run.ring import SampleRing
 
@@ -46,6 +46,39 @@ def test_pool_workers_are_the_pools_processes() -> None:
 def _pid(_: int) -> int:
     time.sleep(0.01)
     return os.getpid()
+
+
+def test_a_quiet_pools_worker_handler_wakes_for_changes_not_for_results(monkeypatch: pytest.MonkeyPatch) -> None:
+    """QuietPool's worker-handler thread sleeps while results flow (a Pool's own woke ~20 times
+    per result here, ~5,000 times in all), yet still replaces a worker that died."""
+    wakes = []
+    wait_for_updates = Pool._wait_for_updates  # type: ignore[attr-defined]
+
+    def counted(*args: Any, **kwargs: Any) -> None:
+        wakes.append(time.monotonic())
+        wait_for_updates(*args, **kwargs)
+
+    # the handler thread runs Pool._handle_workers, which calls Pool._wait_for_updates
+    monkeypatch.setattr(Pool, "_wait_for_updates", staticmethod(counted))
+    pool = QuietPool(2, context=mp_context())
+    try:
+        for _ in pool.imap_unordered(_pause, range(500)):
+            sum(range(2000))  # the parent's own work on each result, as a build's
+        assert len(wakes) <= 3
+        before = {proc.pid for proc in pool_workers(pool)}
+        pool.apply_async(os._exit, (1,))  # a worker dies (its task is lost, as the pipeline expects)
+        deadline = time.monotonic() + 30
+        while len(before & {proc.pid for proc in pool_workers(pool)}) != 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(before & {proc.pid for proc in pool_workers(pool)}) == 1, "the dead worker was not replaced"
+        assert len(pool.map(_pid, range(20))) == 20 and len(pool_workers(pool)) == 2
+    finally:
+        assert _ends_within(pool, 20)
+
+
+def _pause(_: int) -> bytes:
+    time.sleep(0.002)
+    return bytes(200)
 
 
 def test_shut_down_survives_a_process_killed_holding_the_result_lock() -> None:

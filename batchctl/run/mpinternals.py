@@ -17,6 +17,8 @@ Why each is needed:
 - `reduction.DupFd`: hands the sample ring's memfd to a child as it is started (no name at all).
 - `SimpleQueue._reader`: the collator waits on its inbox and its control pipe at once
   (`multiprocessing.connection.wait`), so a stop request never waits behind a busy inbox.
+- `Pool._get_sentinels`: what the worker-handler thread wakes for besides its workers' exits
+  (`QuietPool`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,16 @@ from typing import Any
 
 LOCK_WAIT_S = 0.5
 SHUTDOWN_S = 5.0
+
+
+class QuietPool(Pool):
+    """A Pool whose worker-handler thread wakes only when a worker exits or the pool's state
+    changes (closed, terminated, no task left). CPython's also wakes whenever a result waits in
+    the results pipe, and loops until the result-handler thread has read it: ~50 us of CPU per
+    photo with 2 workers (1% of a worker's time, on the cores the workers need)."""
+
+    def _get_sentinels(self) -> list[Any]:
+        return [self._change_notifier._reader]  # type: ignore[attr-defined]
 
 
 def pool_workers(pool: Pool) -> list[Any]:

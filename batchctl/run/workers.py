@@ -25,6 +25,7 @@ import numpy as np
 
 from batchctl.preprocess import Preprocessor, resolve
 from batchctl.records import Done, Task, TaskOutput, TaskResult, describe_error
+from batchctl.run.mpinternals import QuietPool
 from batchctl.run.processes import alive, init_child
 from batchctl.run.ring import SampleRing
 from batchctl.store.storage import SourceRoot
@@ -268,4 +269,6 @@ def start_pool(
     slots: WorkerSlots,
     ring: SampleRing | None,
 ) -> Pool:
-    return ctx.Pool(workers, initializer=init_worker, initargs=(preprocess, options, source, outbox, slots, ring))
+    return QuietPool(
+        workers, initializer=init_worker, initargs=(preprocess, options, source, outbox, slots, ring), context=ctx
+    )
