@@ -42,7 +42,7 @@ from batchctl.report import BuildReport, Changes, FileError
 from batchctl.run import staging
 from batchctl.run.lock import BuildLock
 from batchctl.run.pipeline import Pipeline, PipelineConfig
-from batchctl.run.processes import signals_raise, start_forkserver, sweep_dead_builds
+from batchctl.run.processes import leave_if_reimporting_main, signals_raise, start_forkserver, sweep_dead_builds
 from batchctl.run.staging import BuildPaths
 from batchctl.run.writeplan import Carry, CollatorConfig, ResumePoint
 from batchctl.store import metadata as meta, storage
@@ -153,6 +153,7 @@ def build(
     Returns the report of a complete (or already up-to-date) build; raises `BuildFailed` or
     `BuildInterrupted`, both carrying the report, when it ends otherwise.
     """
+    leave_if_reimporting_main()
     opts = BuildOptions(**options)
     where = storage.default_output(source) if output is None else storage.normalise(output)
     builder = _Builder(storage.normalise(source), where, opts, progress or Progress())

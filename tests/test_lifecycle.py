@@ -146,3 +146,37 @@ def test_only_a_local_build_starts_the_fork_server_early() -> None:
     assert not builds_locally(["build", "--help"])
     assert not builds_locally(["info", "data.zarr"])
     assert not builds_locally([])
+
+
+def test_a_script_calling_build_outside_the_main_guard_fails_in_one_line(photos: Path, tmp_path: Path) -> None:
+    """multiprocessing re-runs the main script in every child it starts: a script that calls
+    build() at its top level (no `if __name__ == "__main__":`) had every worker and the collator
+    start a build of their own, printed thousands of traceback lines, and blamed the collator.
+    Now the children leave quietly and the build fails at once saying what to change; with the
+    guard, the same call builds."""
+    from tests.stress import build_names
+
+    call = (
+        "try:\n"
+        f"    batchctl.build({str(photos)!r}, {str(tmp_path / 'd.zarr')!r}, workers=2)\n"
+        "except batchctl.BuildFailed as exc:\n"
+        "    sys.exit(f'failed: {exc}')\n"
+        "print('built')\n"
+    )
+    guarded = "if __name__ == '__main__':\n" + "".join(f"    {line}\n" for line in call.splitlines())
+    for body, code, out, err in [
+        (
+            call,
+            1,
+            "",
+            "failed: the script calling batchctl.build() runs it again in every process the build starts "
+            '(multiprocessing imports the main script in each); put the call under `if __name__ == "__main__":`\n',
+        ),
+        (guarded, 0, "built\n", ""),
+    ]:
+        script = tmp_path / "make_dataset.py"
+        script.write_text("import sys\nimport batchctl\n" + body)
+        proc = subprocess.Popen([sys.executable, script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        stdout, stderr = proc.communicate(timeout=60)
+        assert (proc.returncode, stdout, stderr) == (code, out, err)
+        assert build_names(proc.pid) == []

@@ -4,6 +4,8 @@ each exercised, so a Python release that changes one fails here first; and the /
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -15,7 +17,7 @@ import numpy as np
 import pytest
 
 from batchctl.records import Task, TaskOutput, WorkItem
-from batchctl.run.mpinternals import QuietPool, name_semaphores_after, pool_workers, shut_down_pool
+from batchctl.run.mpinternals import QuietPool, name_semaphores_after, pool_workers, reimporting_main, shut_down_pool
 from batchctl.run.processes import mp_context, sweep_dead_builds
 from batchctl.run.ring import SampleRing
 
@@ -79,6 +81,25 @@ def test_a_quiet_pools_worker_handler_wakes_for_changes_not_for_results(monkeypa
 def _pause(_: int) -> bytes:
     time.sleep(0.002)
     return bytes(200)
+
+
+def test_a_child_knows_it_is_re_running_the_main_script(tmp_path: Path) -> None:
+    """`reimporting_main` is true while a new child runs its parent's script again, only then."""
+    script = tmp_path / "main.py"
+    script.write_text(
+        "import multiprocessing\n"
+        "from batchctl.run.mpinternals import reimporting_main\n"
+        "print(__name__, reimporting_main(), flush=True)\n"
+        "def child():\n"
+        "    print('child', reimporting_main(), flush=True)\n"
+        "if __name__ == '__main__':\n"
+        "    process = multiprocessing.get_context('forkserver').Process(target=child)\n"
+        "    process.start()\n"
+        "    process.join()\n"
+    )
+    result = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=60)
+    assert result.stdout.splitlines() == ["__main__ False", "__mp_main__ True", "child False"], result.stderr
+    assert not reimporting_main()
 
 
 def test_shut_down_survives_a_process_killed_holding_the_result_lock() -> None:

@@ -19,6 +19,9 @@ Why each is needed:
   (`multiprocessing.connection.wait`), so a stop request never waits behind a busy inbox.
 - `Pool._get_sentinels`: what the worker-handler thread wakes for besides its workers' exits
   (`QuietPool`).
+- `current_process()._inheriting`: set while a new child re-runs the parent's main script
+  (multiprocessing does, to find what the script defines); a script that calls `build()` outside
+  `if __name__ == "__main__":` would start a build in every child (`reimporting_main`).
 """
 
 from __future__ import annotations
@@ -84,6 +87,11 @@ def free_lock_of_dead(lock: Any) -> None:
 def name_semaphores_after(pid: int) -> None:
     """Semaphores created from now on are named `/batchctl-PID-XXXXXXXX` (`/dev/shm/sem.batchctl-...`)."""
     process.current_process()._config["semprefix"] = f"/batchctl-{pid}"  # type: ignore[attr-defined]
+
+
+def reimporting_main() -> bool:
+    """Whether this process is a new child still re-running its parent's main script."""
+    return bool(getattr(process.current_process(), "_inheriting", False))
 
 
 def queue_reader(queue: Any) -> Any:

@@ -38,7 +38,14 @@ from batchctl.records import (
     TaskResult,
 )
 from batchctl.run.mpinternals import name_semaphores_after, pool_workers, shut_down_pool
-from batchctl.run.processes import mp_context, signals_deferred, signals_ignored, start_forkserver
+from batchctl.run.processes import (
+    REIMPORTED_MAIN_EXIT,
+    REIMPORTED_MAIN_TEXT,
+    mp_context,
+    signals_deferred,
+    signals_ignored,
+    start_forkserver,
+)
 from batchctl.run.ring import SampleRing
 from batchctl.run.staging import BuildPaths
 from batchctl.run.workers import BoundedFeed, WorkerSlots, chunked, run_chunk, start_pool
@@ -184,6 +191,8 @@ class Pipeline:
         self.last_check = time.monotonic()
         if not self.collator.is_alive():
             self._drain_events()
+            if self.collator.exitcode == REIMPORTED_MAIN_EXIT:
+                raise PipelineError(REIMPORTED_MAIN_TEXT)
             raise PipelineError(
                 f"the collator process died with {_exit_text(self.collator.exitcode)}; rerun the same command to resume"
             )

@@ -44,6 +44,13 @@ PR_SET_PDEATHSIG = 1
 # process that imports it (a 10-image build: 0.28 s with it, 0.24 s without). One thread each,
 # unless the user set a number.
 LIBRARY_THREADS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+# The exit code of a child that found itself re-running the caller's script up to its `build()`
+# call (`leave_if_reimporting_main`); the parent turns it into a one-line error.
+REIMPORTED_MAIN_EXIT = 86
+REIMPORTED_MAIN_TEXT = (
+    "the script calling batchctl.build() runs it again in every process the build starts (multiprocessing "
+    'imports the main script in each); put the call under `if __name__ == "__main__":`'
+)
 SHM_DIR = Path("/dev/shm")
 # /dev/shm names batchctl creates, with the pid of the build's parent: semaphores, and the named
 # ring segments of batchctl before 0.1.1.
@@ -85,6 +92,16 @@ def limit_library_threads() -> list[str]:
     added = [name for name in LIBRARY_THREADS if name not in os.environ]
     os.environ.update(dict.fromkeys(added, "1"))
     return added
+
+
+def leave_if_reimporting_main() -> None:
+    """In a build's child that is re-running the caller's script (`build()` called at its top
+    level): exit at once, quietly, instead of starting a build from every worker; the parent sees
+    its collator end with `REIMPORTED_MAIN_EXIT` and says why."""
+    from batchctl.run.mpinternals import reimporting_main  # (multiprocessing.pool: not on the CLI's start-up path)
+
+    if reimporting_main():
+        os._exit(REIMPORTED_MAIN_EXIT)
 
 
 def become_forkserver() -> None:
