@@ -42,7 +42,13 @@ from batchctl.report import BuildReport, Changes, FileError
 from batchctl.run import staging
 from batchctl.run.lock import BuildLock
 from batchctl.run.pipeline import Pipeline, PipelineConfig
-from batchctl.run.processes import leave_if_reimporting_main, signals_raise, start_forkserver, sweep_dead_builds
+from batchctl.run.processes import (
+    leave_if_reimporting_main,
+    refuse_main_children_cannot_run,
+    signals_raise,
+    start_forkserver,
+    sweep_dead_builds,
+)
 from batchctl.run.staging import BuildPaths
 from batchctl.run.writeplan import Carry, CollatorConfig, ResumePoint
 from batchctl.store import metadata as meta, storage
@@ -215,6 +221,7 @@ class _Builder:
         if not self.options.force and self._up_to_date(fingerprint):
             return self._end("up_to_date")
         if self.options.engine == "local":
+            refuse_main_children_cannot_run()
             start_forkserver()  # there is work (the CLI started it already): its preloads run alongside our planning
         if not discovery.items:
             raise BuildFailed(

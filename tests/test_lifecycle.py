@@ -180,3 +180,25 @@ def test_a_script_calling_build_outside_the_main_guard_fails_in_one_line(photos:
         stdout, stderr = proc.communicate(timeout=60)
         assert (proc.returncode, stdout, stderr) == (code, out, err)
         assert build_names(proc.pid) == []
+
+
+def test_a_build_from_a_program_on_standard_input_is_refused_in_one_line(photos: Path, tmp_path: Path) -> None:
+    """`python - <<EOF`: each child would look for the main script's file, find none and print a
+    traceback, hundreds of times; the build is refused before it starts any process."""
+    program = (
+        "import sys\n"
+        "import batchctl\n"
+        "try:\n"
+        f"    batchctl.build({str(photos)!r}, {str(tmp_path / 'd.zarr')!r}, workers=2)\n"
+        "except batchctl.UsageError as exc:\n"
+        "    sys.exit(f'refused: {exc}')\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-"], input=program, capture_output=True, text=True, timeout=60, cwd=tmp_path
+    )
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr == (
+        "refused: a build cannot start its processes from a program read from standard input: each runs the "
+        f"main script again, and {tmp_path / '<stdin>'} is not a file; save the program to a file and run that\n"
+    )
+    assert not (tmp_path / "d.zarr").exists()

@@ -17,7 +17,13 @@ import numpy as np
 import pytest
 
 from batchctl.records import Task, TaskOutput, WorkItem
-from batchctl.run.mpinternals import QuietPool, name_semaphores_after, pool_workers, reimporting_main, shut_down_pool
+from batchctl.run.mpinternals import (
+    QuietPool,
+    name_semaphores_after,
+    pool_workers,
+    reimporting_main,
+    shut_down_pool,
+)
 from batchctl.run.processes import mp_context, sweep_dead_builds
 from batchctl.run.ring import SampleRing
 
@@ -100,6 +106,26 @@ def test_a_child_knows_it_is_re_running_the_main_script(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=60)
     assert result.stdout.splitlines() == ["__main__ False", "__mp_main__ True", "child False"], result.stderr
     assert not reimporting_main()
+
+
+def test_the_main_script_children_run_again(tmp_path: Path) -> None:
+    """The file multiprocessing has each child run again: a script's own path (a relative one from
+    where the program started), none for `-m` or `-c`, a file that is not there for standard input."""
+    script = tmp_path / "main.py"
+    script.write_text(
+        "from batchctl.run.mpinternals import main_script_for_children\nprint(main_script_for_children())\n"
+    )
+    code = script.read_text()
+
+    def run(*args: str, stdin: str | None = None) -> str:
+        result = subprocess.run([sys.executable, *args], input=stdin, capture_output=True, text=True, cwd=tmp_path)
+        return result.stdout.strip()
+
+    assert run("main.py") == str(script)
+    assert run(str(script)) == str(script)
+    assert run("-m", "main") == "None"
+    assert run("-c", code) == "None"
+    assert run("-", stdin=code) == str(tmp_path / "<stdin>")
 
 
 def test_shut_down_survives_a_process_killed_holding_the_result_lock() -> None:

@@ -19,6 +19,8 @@ Why each is needed:
   (`multiprocessing.connection.wait`), so a stop request never waits behind a busy inbox.
 - `Pool._get_sentinels`: what the worker-handler thread wakes for besides its workers' exits
   (`QuietPool`).
+- `process.ORIGINAL_DIR`: where a child looks for the parent's main script, when its path is
+  relative (`main_script_for_children`).
 - `current_process()._inheriting`: set while a new child re-runs the parent's main script
   (multiprocessing does, to find what the script defines); a script that calls `build()` outside
   `if __name__ == "__main__":` would start a build in every child (`reimporting_main`).
@@ -27,6 +29,8 @@ Why each is needed:
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import threading
 from multiprocessing import process, reduction
 from multiprocessing.pool import TERMINATE, Pool
@@ -87,6 +91,19 @@ def free_lock_of_dead(lock: Any) -> None:
 def name_semaphores_after(pid: int) -> None:
     """Semaphores created from now on are named `/batchctl-PID-XXXXXXXX` (`/dev/shm/sem.batchctl-...`)."""
     process.current_process()._config["semprefix"] = f"/batchctl-{pid}"  # type: ignore[attr-defined]
+
+
+def main_script_for_children() -> str | None:
+    """The file each new child runs again as the parent's main script (as `spawn` decides it),
+    or None when children run none (a `-m` module, `-c`, an interactive session)."""
+    main = sys.modules.get("__main__")
+    if main is None or getattr(getattr(main, "__spec__", None), "name", None) is not None:
+        return None
+    path = getattr(main, "__file__", None)
+    if path is None:
+        return None
+    original = process.ORIGINAL_DIR  # type: ignore[attr-defined]
+    return os.path.normpath(path if os.path.isabs(path) else os.path.join(original or "", path))
 
 
 def reimporting_main() -> bool:

@@ -33,7 +33,7 @@ from multiprocessing.context import ForkServerContext
 from pathlib import Path
 from typing import Any
 
-from batchctl.errors import Signalled, note_signal, quiet_unraisable_signals, raise_signalled
+from batchctl.errors import Signalled, UsageError, note_signal, quiet_unraisable_signals, raise_signalled
 
 # batchctl.run.forkserver_init first: it sets up the fork server before the heavy imports.
 PRELOAD = ["batchctl.run.forkserver_init", "batchctl.run.workers", "batchctl.run.collate", "numpy", "PIL.Image"]
@@ -94,11 +94,24 @@ def limit_library_threads() -> list[str]:
     return added
 
 
+def refuse_main_children_cannot_run() -> None:
+    """Every child starts by running the caller's main script again from its file: a program
+    read from standard input (`python - <<EOF`) has none, and each child would fail to start."""
+    from batchctl.run.mpinternals import main_script_for_children
+
+    script = main_script_for_children()
+    if script is not None and not os.path.isfile(script):
+        raise UsageError(
+            f"a build cannot start its processes from a program read from standard input: each runs the "
+            f"main script again, and {script} is not a file; save the program to a file and run that"
+        )
+
+
 def leave_if_reimporting_main() -> None:
     """In a build's child that is re-running the caller's script (`build()` called at its top
     level): exit at once, quietly, instead of starting a build from every worker; the parent sees
     its collator end with `REIMPORTED_MAIN_EXIT` and says why."""
-    from batchctl.run.mpinternals import reimporting_main  # (multiprocessing.pool: not on the CLI's start-up path)
+    from batchctl.run.mpinternals import reimporting_main  # (multiprocessing.pool: kept off the CLI's start-up path)
 
     if reimporting_main():
         os._exit(REIMPORTED_MAIN_EXIT)
