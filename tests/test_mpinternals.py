@@ -57,7 +57,7 @@ def _pid(_: int) -> int:
 
 
 def test_a_quiet_pools_worker_handler_wakes_for_changes_not_for_results(monkeypatch: pytest.MonkeyPatch) -> None:
-    """QuietPool's worker-handler thread sleeps while results flow (a Pool's own woke ~20 times
+    """QuietPool's worker-handler thread sleeps while results flow (a Pool's own woke ~10 times
     per result here, ~5,000 times in all), yet still replaces a worker that died."""
     wakes = []
     wait_for_updates = Pool._wait_for_updates  # type: ignore[attr-defined]
