@@ -67,8 +67,7 @@ class OpenShard:
             self.remote = {}
             return
         _pwritev_all(self.fd, index, self.size)
-        os.fsync(self.fd)
-        _drop_cached(self.fd)
+        self.sync()
         self.close()
 
     def close(self) -> None:
