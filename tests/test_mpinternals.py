@@ -170,7 +170,7 @@ def test_semaphores_carry_the_builds_pid() -> None:
 
 def _write_through_ring(ring: SampleRing, rows: int) -> None:
     task = Task(0, WorkItem("a.npy", 0, 1, 0))
-    message = ring.put(0, [TaskOutput([(task, rows)], {"x": np.arange(rows, dtype=np.int32)})])
+    message = ring.put(0, [TaskOutput([(task.sent(), rows)], {"x": np.arange(rows, dtype=np.int32)})])
     assert message is not None
     ring.close()
 

@@ -22,7 +22,7 @@ from batchctl.store import format as fmt
 def output(rows: int, seed: int, name: str = "x") -> TaskOutput:
     rng = np.random.default_rng(seed)
     task = Task(seed, WorkItem(f"f{seed}.npy", 0, 1, 0))
-    return TaskOutput([(task, rows)], {name: rng.random((rows, 3, 5), dtype=np.float32), "n": np.arange(rows)})
+    return TaskOutput([(task.sent(), rows)], {name: rng.random((rows, 3, 5), dtype=np.float32), "n": np.arange(rows)})
 
 
 @pytest.fixture
@@ -50,9 +50,9 @@ def test_ring_carries_outputs_exactly(ring: SampleRing) -> None:
 
 
 def test_ring_refuses_what_does_not_fit(ring: SampleRing) -> None:
-    big = TaskOutput([(Task(0, WorkItem("big", 0, 1, 0)), 1)], {"x": np.zeros(ring.slot_bytes + 1, np.uint8)})
+    big = TaskOutput([(Task(0, WorkItem("big", 0, 1, 0)).sent(), 1)], {"x": np.zeros(ring.slot_bytes + 1, np.uint8)})
     assert ring.put(0, [big]) is None
-    objects = TaskOutput([(Task(0, WorkItem("o", 0, 1, 0)), 1)], {"x": np.array([{"a": 1}], dtype=object)})
+    objects = TaskOutput([(Task(0, WorkItem("o", 0, 1, 0)).sent(), 1)], {"x": np.array([{"a": 1}], dtype=object)})
     assert ring.put(0, [objects]) is None
 
 

@@ -35,10 +35,12 @@ from batchctl.records import (
     Finished,
     PathKey,
     Rejected,
+    SentTask,
     Stopped,
     Task,
     TaskOutput,
     describe_error,
+    sent_start,
 )
 from batchctl.run import staging
 from batchctl.run.mpinternals import queue_reader
@@ -195,17 +197,14 @@ class Collator:
         reason = check_schema(self.schema or {n: fmt.FieldSpec.of(v) for n, v in first_row.items()}, first_row)
         if reason:  # (the worker checked that the rows of one output agree with each other)
             for task, rows in output.parts:
-                self.events.put(Rejected(task.item.relpath, reason, rows))
+                self.events.put(Rejected(task[1], reason, rows))
             return
         if self.schema is None:
             self._start(output.columns)
         assert self.layout is not None and self.batch is not None
-        counts = [rows for _, rows in output.parts]
-        source_index = np.concatenate([np.arange(t.first + t.skip, t.first + t.skip + n) for t, n in output.parts])
-        labels = np.repeat([task.item.label for task, _ in output.parts], counts)
-        sources = [task.item.relpath for task, rows in output.parts for _ in range(rows)]
+        source_index, labels, sources = _provenance(output)
         parts = iter(output.parts)
-        task, left = next(parts)  # the task whose rows come next, and how many of them are left
+        (_, relpath, _, size, mtime_ns, part, _), left = next(parts)  # the task whose rows come next, and how many
         done = 0
         while done < output.rows:
             batch, start = self.batch, self.batch.rows
@@ -220,10 +219,9 @@ class Collator:
             while take:  # journal what of each task this batch holds
                 placed = min(left, take)
                 take, left = take - placed, left - placed
-                item = task.item
-                batch.entries.append([item.relpath, placed, left == 0, item.size, item.mtime_ns, task.first])
+                batch.entries.append([relpath, placed, left == 0, size, mtime_ns, part[0] if part else 0])
                 if left == 0 and (take or done < output.rows):  # more rows follow: the next task's
-                    task, left = next(parts)
+                    (_, relpath, _, size, mtime_ns, part, _), left = next(parts)
             if batch.rows == self.layout.batch_size:
                 self._write_batch()
 
@@ -379,15 +377,28 @@ class Collator:
         return Stopped(self.samples)
 
 
+def _provenance(output: TaskOutput) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """Each row's sample number in its file, label and file: a few array operations per output,
+    not a few per file (tiny files come 256 to an output)."""
+    counts = np.fromiter((rows for _, rows in output.parts), np.int64, len(output.parts))
+    firsts = np.fromiter((sent_start(task) for task, _ in output.parts), np.int64, len(output.parts))
+    labels = np.fromiter((task[2] for task, _ in output.parts), np.int64, len(output.parts))
+    if len(output.parts) == output.rows:  # a row each: the common case of one sample per file
+        return firsts, labels, [task[1] for task, _ in output.parts]
+    starts = np.cumsum(counts) - counts  # each part's first row in the output
+    source_index = np.arange(output.rows) + np.repeat(firsts - starts, counts)
+    return source_index, np.repeat(labels, counts), [task[1] for task, rows in output.parts for _ in range(rows)]
+
+
 def _carried(keys: list[PathKey], pending: dict[PathKey, list[tuple[CarryRun, dict[str, np.ndarray]]]]) -> TaskOutput:
     """The carried rows of these parts as one output, each part's rows in sample order."""
-    parts: list[tuple[Task, int]] = []
+    parts: list[tuple[SentTask, int]] = []
     columns: dict[str, list[np.ndarray]] = {}
     for key in keys:
         pieces = sorted(pending.pop(key), key=lambda piece: piece[0].index)
         first_run, rows = pieces[0][0], sum(run.rows for run, _ in pieces)
         part = (first_run.first, first_run.index + rows)
-        parts.append((Task(0, first_run.item, part, skip=first_run.index - first_run.first), rows))
+        parts.append((Task(0, first_run.item, part, skip=first_run.index - first_run.first).sent(), rows))
         for _, piece in pieces:
             for name, column in piece.items():
                 columns.setdefault(name, []).append(column)

@@ -22,7 +22,7 @@ import zarr
 
 from batchctl.errors import PipelineError, UsageError
 from batchctl.preprocess import Preprocessor, resolve
-from batchctl.records import Finished, Task, TaskResult
+from batchctl.records import Finished, Task, TaskResult, sent_start
 from batchctl.run import staging
 from batchctl.run.collate import check_schema
 from batchctl.run.staging import BuildPaths
@@ -106,13 +106,14 @@ def _columns(outputs: list[Any], schema: Mapping[str, fmt.FieldSpec], labelled: 
         parts = [output.columns[name] for output in outputs]
         columns[name] = np.concatenate(parts) if parts else np.empty((0, *spec.shape), spec.dtype)
     parts_of = [(task, rows) for output in outputs for task, rows in output.parts]
-    columns[fmt.SOURCE] = np.array([t.item.relpath for t, n in parts_of for _ in range(n)], dtype=object)
+    columns[fmt.SOURCE] = np.array([t[1] for t, n in parts_of for _ in range(n)], dtype=object)
     columns[fmt.SOURCE_INDEX] = np.array(
-        [i for t, n in parts_of for i in range(t.first + t.skip, t.first + t.skip + n)], dtype=np.int64
+        [i for t, n in parts_of for i in range(sent_start(t), sent_start(t) + n)], dtype=np.int64
     )
     if labelled:
-        columns[fmt.LABEL] = np.array([t.item.label for t, n in parts_of for _ in range(n)], dtype=np.int64)
+        columns[fmt.LABEL] = np.array([t[2] for t, n in parts_of for _ in range(n)], dtype=np.int64)
     return columns
+
 
 
 def _store_spill(location: str, storage_options: Mapping[str, Any], columns: Mapping[str, np.ndarray]) -> None:

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from batchctl.records import Task, TaskOutput
+from batchctl.records import SentTask, TaskOutput
 from batchctl.run.mpinternals import dup_fd_for_child
 
 SLOT_BYTES = 32 * 2**20  # one chunk's output; only the pages a chunk fills are ever touched
@@ -49,7 +49,7 @@ class InRing:
     """A worker's message for outputs it put in ring slot `slot`: each output's parts and columns."""
 
     slot: int
-    outputs: list[tuple[list[tuple[Task, int]], list[ColumnRef]]]
+    outputs: list[tuple[list[tuple[SentTask, int]], list[ColumnRef]]]
 
 
 class SampleRing:
@@ -88,7 +88,7 @@ class SampleRing:
     def put(self, slot: int, outputs: list[TaskOutput]) -> InRing | None:
         """Copy `outputs` into `slot` once the collator is done with its last contents; None when
         they do not fit (or hold Python objects): send them through the pipe then."""
-        layout: list[tuple[list[tuple[Task, int]], list[ColumnRef]]] = []
+        layout: list[tuple[list[tuple[SentTask, int]], list[ColumnRef]]] = []
         offset = 0
         for output in outputs:
             refs = []

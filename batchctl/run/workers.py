@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from batchctl.preprocess import Preprocessor, resolve
-from batchctl.records import Done, Task, TaskOutput, TaskResult, describe_error
+from batchctl.records import Done, SentTask, Task, TaskOutput, TaskResult, describe_error
 from batchctl.run.mpinternals import QuietPool
 from batchctl.run.processes import alive, init_child
 from batchctl.run.ring import SampleRing
@@ -119,7 +119,7 @@ def init_worker(
     _worker.update(preprocessor=resolve(preprocess), options=dict(options), source=source, outbox=outbox)
 
 
-def run_chunk(tasks: list[Task]) -> list[Done]:
+def run_chunk(tasks: list[SentTask]) -> list[Done]:
     """Preprocess a chunk of tasks and send their outputs to the collator in one message; to the
     parent, each task's `Done` (its Task stays with the parent: a tuple pickles in a fraction of
     the time, which counts for tiny files).
@@ -128,19 +128,23 @@ def run_chunk(tasks: list[Task]) -> list[Done]:
     point is charged to one file; the parent hands the rest of the chunk out again.
     """
     slots: WorkerSlots = _worker["slots"]
-    results, outputs = [], []
+    slot: int = _worker["slot"]
+    preprocessor, options, source = _worker["preprocessor"], _worker["options"], _worker["source"]
+    done: list[Done] = []
+    outputs = OutputRuns()
     try:
         for task in tasks:
-            slots.begin(_worker["slot"], task.index)
-            result, output = _preprocess(task)
-            results.append((task.index, result.samples, result.error))
-            if output is not None:
-                outputs.append(output)
-        if outputs:
-            _send(merge_outputs(outputs))
+            slots.begin(slot, task[0])
+            columns = preprocess_file(task, preprocessor, options, source)
+            if isinstance(columns, str):
+                done.append((task[0], 0, columns))
+            else:
+                done.append((task[0], outputs.add(task, columns), None))
+        if outputs.runs:
+            _send(outputs.merged())
     finally:
-        slots.end(_worker["slot"])
-    return results
+        slots.end(slot)
+    return done
 
 
 def _send(outputs: list[TaskOutput]) -> None:
@@ -151,50 +155,65 @@ def _send(outputs: list[TaskOutput]) -> None:
     _worker["outbox"].put(outputs if message is None else message)
 
 
-def merge_outputs(outputs: list[TaskOutput]) -> list[TaskOutput]:
-    """Runs of outputs whose fields have the same row shapes and dtypes, each merged into one."""
-    runs: list[list[TaskOutput]] = []
-    for output in outputs:
-        if runs and _row_specs(runs[-1][0]) == _row_specs(output):
-            runs[-1].append(output)
-        else:
-            runs.append([output])
-    return [
-        run[0]
-        if len(run) == 1
-        else TaskOutput(
-            [part for output in run for part in output.parts],
-            {name: np.concatenate([output.columns[name] for output in run]) for name in run[0].columns},
-        )
-        for run in runs
-    ]
+class OutputRuns:
+    """A chunk's outputs gathered into runs of files whose fields have the same row shapes and
+    dtypes, each run sent as one `TaskOutput` (one block per field for the collator to copy)."""
+
+    def __init__(self) -> None:
+        self.runs: list[tuple[list[tuple[SentTask, int]], list[dict[str, np.ndarray]]]] = []
+        self._spec: list[tuple[str, tuple[int, ...], np.dtype[Any]]] = []
+
+    def add(self, task: SentTask, columns: dict[str, np.ndarray]) -> int:
+        """Add one task's columns; its number of rows (none: nothing of it is left to send)."""
+        rows = len(next(iter(columns.values())))
+        if rows == 0:  # an interrupted run already wrote all of it
+            return 0
+        spec = [(name, column.shape[1:], column.dtype) for name, column in columns.items()]
+        if not self.runs or spec != self._spec:
+            self.runs.append(([], []))
+            self._spec = spec
+        parts, pieces = self.runs[-1]
+        parts.append((task, rows))
+        pieces.append(columns)
+        return rows
+
+    def merged(self) -> list[TaskOutput]:
+        return [
+            TaskOutput(parts, pieces[0] if len(pieces) == 1 else _concatenated(pieces)) for parts, pieces in self.runs
+        ]
 
 
-def _row_specs(output: TaskOutput) -> dict[str, tuple[tuple[int, ...], np.dtype[Any]]]:
-    return {name: (column.shape[1:], column.dtype) for name, column in output.columns.items()}
+def _concatenated(pieces: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    return {name: np.concatenate([piece[name] for piece in pieces]) for name in pieces[0]}
 
 
-def _preprocess(task: Task) -> tuple[TaskResult, TaskOutput | None]:
-    return preprocess_task(task, _worker["preprocessor"], _worker["options"], _worker["source"])
+def preprocess_file(
+    task: SentTask, preprocessor: Preprocessor, options: Mapping[str, Any], source: SourceRoot
+) -> dict[str, np.ndarray] | str:
+    """One file (or part of one): its rows, less those an interrupted run wrote, or the one-line
+    reason it is skipped."""
+    _, relpath, _, _, _, part, skip = task
+    path: Path | str = relpath
+    try:
+        with source.local_file(relpath) as path:
+            columns = preprocessor.columns(path, options, part)
+    except Exception as exc:  # noqa: BLE001 - any failure of one file is that file's error
+        return describe_error(exc).replace(f" '{path}'", "").replace(str(path), relpath)
+    if skip:
+        columns = {name: column[skip:] for name, column in columns.items()}
+    return columns
 
 
 def preprocess_task(
     task: Task, preprocessor: Preprocessor, options: Mapping[str, Any], source: SourceRoot
 ) -> tuple[TaskResult, TaskOutput | None]:
-    """One file (or part of one): its rows, or the one-line reason it is skipped."""
-    path: Path | str = task.item.relpath
-    try:
-        with source.local_file(task.item.relpath) as path:
-            columns = preprocessor.columns(path, options, task.part)
-    except Exception as exc:  # noqa: BLE001 - any failure of one file is that file's error
-        reason = describe_error(exc).replace(f" '{path}'", "").replace(str(path), task.item.relpath)
-        return TaskResult(task, 0, reason), None
-    if task.skip:
-        columns = {name: column[task.skip :] for name, column in columns.items()}
-    output = TaskOutput([(task, len(next(iter(columns.values()))))], columns)
-    if output.rows == 0:  # an interrupted run already wrote all of it
-        return TaskResult(task, 0), None
-    return TaskResult(task, output.rows), output
+    """`preprocess_file` for one Task, as a result and its output (none when it has no rows)."""
+    sent = task.sent()
+    columns = preprocess_file(sent, preprocessor, options, source)
+    if isinstance(columns, str):
+        return TaskResult(task, 0, columns), None
+    rows = len(next(iter(columns.values())))
+    return TaskResult(task, rows), TaskOutput([(sent, rows)], columns) if rows else None
 
 
 class BoundedFeed:
@@ -212,7 +231,7 @@ class BoundedFeed:
         self._stopped = False
         self._changed = threading.Condition()
 
-    def __iter__(self) -> Iterator[list[Task]]:
+    def __iter__(self) -> Iterator[list[SentTask]]:
         while True:
             with self._changed:
                 self._changed.wait_for(lambda: self._stopped or (self._todo and self._in_flight < self._window))
@@ -220,7 +239,7 @@ class BoundedFeed:
                     return
                 chunk = self._todo.popleft()
                 self._in_flight += 1
-            yield chunk
+            yield [task.sent() for task in chunk]
 
     def consumed(self) -> None:
         with self._changed:
