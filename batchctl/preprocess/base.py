@@ -82,6 +82,8 @@ class Preprocessor:
     ) -> dict[str, np.ndarray]:
         """Run the function; its samples stacked field by field (row i of each column is sample i)."""
         result = self.fn(path, **options) if part is None else self.fn(path, **options, part=part)
+        if type(result) is dict and result:  # one sample, most files: ~1 us less than the general path
+            return {str(k): native(np.asarray(v))[np.newaxis] for k, v in result.items()}
         if isinstance(result, Block):
             columns = {str(k): native(np.asarray(v)) for k, v in result.items()}
             if not columns or len({len(v) for v in columns.values()}) != 1:
