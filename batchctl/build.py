@@ -63,6 +63,7 @@ if TYPE_CHECKING:
 # documents itself (`store.zarrmeta`), and a rerun that finds OUTPUT up to date reads them as JSON.
 
 PART_BYTES = 16 * 2**20  # big files are split into parts of about this much input
+WHOLE: tuple[None] = (None,)  # the one "part" of a file preprocessed whole
 
 
 def default_workers() -> int:
@@ -293,7 +294,7 @@ class _Builder:
 
     def _on_dask_result(self, result: TaskResult) -> None:
         self._on_result(result)
-        self.progress.file_done()
+        self.progress.files_done()
 
     def _complete(self, discovery: Discovery, fingerprint: str, finished: Finished) -> BuildReport:
         check_signalled()
@@ -603,19 +604,19 @@ class _Builder:
         """One task per file (of `only`, when given), or per part of a big file; what an
         interrupted run finished is left out and what it wrote of a part is skipped."""
         tasks: list[Task] = []
+        splits = self.preprocessor.count is not None and not storage.is_url(self.source)
         for item in discovery.items:
             if only is not None and item.relpath not in only:
                 continue
-            for part in self._parts(item):
+            for part in self._parts(item) if splits and item.size > PART_BYTES else WHOLE:
                 count, finished = written.get((item.relpath, part[0] if part else 0), (0, False))[:2]
                 if not finished:
                     tasks.append(Task(len(tasks), item, part, skip=count))
         return tasks
 
     def _parts(self, item: WorkItem) -> list[tuple[int, int] | None]:
-        """Sample ranges of about PART_BYTES of input each, for files the preprocessor can count."""
-        if self.preprocessor.count is None or item.size <= PART_BYTES or storage.is_url(self.source):
-            return [None]
+        """Sample ranges of about PART_BYTES of input each, for a big file the preprocessor can count."""
+        assert self.preprocessor.count is not None
         try:
             total = self.preprocessor.count(Path(self.source) / item.relpath, **self.pp_options)
         except Exception:  # noqa: BLE001 - the worker will meet the same problem and report it
@@ -628,15 +629,15 @@ class _Builder:
     def _record(self, discovery: Discovery, finished: Finished) -> incremental.Record:
         """The record of the dataset being published: its journal's batches (every row's file);
         for a Dask build, whose rows the client moved about, read from its `source` columns."""
-        stamps = {item.relpath: item for item in discovery.items}
         if self.options.engine == "local":
             batches = staging.resolve_journal(self.work.read_journal(), self.options.batch_size).batches
         else:
-            batches = self._batches_from_columns(stamps)
+            batches = self._batches_from_columns({item.relpath: item for item in discovery.items})
+        errors = {error.source: error for error in self.report.errors}
         skipped = {
-            error.source: [stamps[error.source].size, stamps[error.source].mtime_ns, error.error, error.retry]
-            for error in self.report.errors
-            if error.source in stamps
+            item.relpath: [item.size, item.mtime_ns, errors[item.relpath].error, errors[item.relpath].retry]
+            for item in (discovery.items if errors else [])
+            if item.relpath in errors
         }
         return incremental.Record(
             build_id=self.build_id,

@@ -25,7 +25,7 @@ class Progress:
     def start(self, tasks: int, batches_done: int, split: bool = False) -> None:
         """`tasks` files to preprocess (parts of files when `split`), `batches_done` kept from before."""
 
-    def file_done(self) -> None: ...
+    def files_done(self, count: int = 1) -> None: ...
 
     def batches_written(self, batches: int) -> None: ...
 
@@ -56,10 +56,10 @@ class ConsoleProgress(Progress):
             self.files = tqdm(total=tasks, desc="preprocess", unit=self.unit, file=self.stream, dynamic_ncols=True)
             self.batches = tqdm(initial=batches_done, desc="write", unit="batch", file=self.stream, dynamic_ncols=True)
 
-    def file_done(self) -> None:
-        self.done += 1
+    def files_done(self, count: int = 1) -> None:
+        self.done += count
         if self.files is not None:
-            self.files.update()
+            self.files.update(count)
         else:
             self._maybe_log()
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import os
-import random
 from collections.abc import Callable, Collection, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from stat import S_ISREG
 from typing import Any
+
+import numpy as np
 
 from batchctl.errors import UsageError
 from batchctl.records import WorkItem
@@ -215,6 +216,6 @@ def _labelled(
             items.append(WorkItem(rel, class_ids[rel.split("/", 1)[0]], size, mtime_ns))
         else:
             ignored += 1
-    if seed is not None:
-        random.Random(seed).shuffle(items)
+    if seed is not None:  # (numpy's permutation: random.shuffle took ~0.7 us a file, as long as the stat)
+        items = [items[i] for i in np.random.default_rng(seed).permutation(len(items))]
     return Discovery(items, classes, ignored, unreadable)

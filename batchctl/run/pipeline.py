@@ -153,10 +153,7 @@ class Pipeline:
                 chunk_results = self._next_results(results)
                 if chunk_results is not None:
                     self.feed.consumed()
-                    for index, samples, error in chunk_results:
-                        task = self.pending.pop(index, None)
-                        if task is not None:
-                            self._done(TaskResult(task, samples, error))
+                    self._chunk_done(chunk_results)
                 self._drain_events()
             self.feed.stop()
         self.inbox.put(End())  # after every worker's output: puts are complete when results return
@@ -169,8 +166,19 @@ class Pipeline:
             self.pool.join()
         return finished
 
+    def _chunk_done(self, chunk_results: list[Done]) -> None:
+        """A chunk's results, less tasks no longer pending (already accounted for as lost)."""
+        results = [
+            TaskResult(task, samples, error)
+            for index, samples, error in chunk_results
+            if (task := self.pending.pop(index, None)) is not None
+        ]
+        self.progress.files_done(len(results))
+        for result in results:
+            self.on_result(result)
+
     def _done(self, result: TaskResult) -> None:
-        self.progress.file_done()
+        self.progress.files_done()
         self.on_result(result)
 
     def _next_results(self, results: Any) -> list[Done] | None:
