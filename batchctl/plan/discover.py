@@ -138,7 +138,7 @@ def discover(
     ignored = 0
     unreadable: list[tuple[str, str]] = []
     for rel, stat in walk_files(Path(source), skip):
-        if not _utf8(rel):
+        if not (rel.isascii() or _utf8(rel)):
             unreadable.append((_printable(rel), "the file name is not valid UTF-8; rename it to build it"))
         elif isinstance(stat, FolderError):
             unreadable.append((rel, stat.strerror or str(stat)))
@@ -217,5 +217,5 @@ def _labelled(
         else:
             ignored += 1
     if seed is not None:  # (numpy's permutation: random.shuffle took ~0.7 us a file, as long as the stat)
-        items = [items[i] for i in np.random.default_rng(seed).permutation(len(items))]
+        items = [items[i] for i in np.random.default_rng(seed).permutation(len(items)).tolist()]
     return Discovery(items, classes, ignored, unreadable)
