@@ -13,6 +13,7 @@ import zarr
 
 import batchctl
 from batchctl.records import Task, TaskOutput, WorkItem
+from batchctl.run.collate import _provenance
 from batchctl.run.processes import mp_context
 from batchctl.run.ring import SampleRing
 from batchctl.run.workers import WorkerSlots
@@ -54,6 +55,23 @@ def test_ring_refuses_what_does_not_fit(ring: SampleRing) -> None:
     assert ring.put(0, [big]) is None
     objects = TaskOutput([(Task(0, WorkItem("o", 0, 1, 0)).sent(), 1)], {"x": np.array([{"a": 1}], dtype=object)})
     assert ring.put(0, [objects]) is None
+
+
+def test_each_row_is_placed_with_its_file_sample_number_and_label() -> None:
+    """What the collator stores beside each row, for one-sample files, a part of a big file and
+    a part an interrupted run half wrote (its first `skip` samples are not sent again)."""
+    whole = Task(0, WorkItem("a.npy", 2, 1, 0))
+    part = Task(1, WorkItem("big.npy", 0, 1, 0), part=(100, 104))
+    resumed = Task(2, WorkItem("big.npy", 0, 1, 0), part=(104, 110), skip=3)
+    other = Task(3, WorkItem("b.npy", 1, 1, 0))
+    parts = [(whole.sent(), 1), (part.sent(), 4), (resumed.sent(), 3), (other.sent(), 1)]
+    index, labels, sources = _provenance(TaskOutput(parts, {"x": np.zeros(9)}))
+    assert index.tolist() == [0, 100, 101, 102, 103, 107, 108, 109, 0]
+    assert labels.tolist() == [2, 0, 0, 0, 0, 0, 0, 0, 1]
+    assert sources == ["a.npy"] + ["big.npy"] * 7 + ["b.npy"]
+    singles = [(whole.sent(), 1), (other.sent(), 1)]  # a row each: the shortcut
+    index, labels, sources = _provenance(TaskOutput(singles, {"x": np.zeros(2)}))
+    assert (index.tolist(), labels.tolist(), sources) == ([0, 0], [2, 1], ["a.npy", "b.npy"])
 
 
 def test_a_dead_workers_ring_slot_is_retired() -> None:
