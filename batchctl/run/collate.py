@@ -320,8 +320,7 @@ class Collator:
     def _open_shards(self, shard: int, chunks: dict[str, list[shards.Chunk]]) -> None:
         self.open_index = shard
         self.open = {
-            name: shards.OpenShard(self.files, arr, shard, chunks.get(name, []))
-            for name, arr in self.arrays.items()
+            name: shards.OpenShard(self.files, arr, shard, chunks.get(name, [])) for name, arr in self.arrays.items()
         }
 
     def _sync(self) -> None:

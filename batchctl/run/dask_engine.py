@@ -115,7 +115,6 @@ def _columns(outputs: list[Any], schema: Mapping[str, fmt.FieldSpec], labelled: 
     return columns
 
 
-
 def _store_spill(location: str, storage_options: Mapping[str, Any], columns: Mapping[str, np.ndarray]) -> None:
     buffer = io.BytesIO()
     arrays = {name: col.astype(str) if col.dtype == object else col for name, col in columns.items()}
