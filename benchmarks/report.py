@@ -26,6 +26,12 @@ def check_goals(results: dict[str, Any]) -> list[tuple[str, bool]]:
                 f"{ceiling['ratio_to_ideal']:.2f} x W x r; batchctl reaches "
                 f"{best['samples_per_s'] / ceiling['samples_per_s']:.2f} of it"
             )
+        fifty = next((r for r in results["images"]["rows"] if r["tool"].startswith("the issue's 50-line")), None)
+        if fifty is not None:
+            print(
+                f"[info] the issue's 50-line design: {fifty['ratio_to_ideal']:.2f} x W x r; batchctl builds at "
+                f"{best['samples_per_s'] / fifty['samples_per_s']:.2f} of its rate"
+            )
         steady = results["images"].get("steady")
         if steady is not None:
             print(
