@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -32,7 +33,8 @@ def test_every_signal_at_any_moment_ends_cleanly(photos: Path, tmp_path: Path) -
     """20 random moments across {SIGINT, SIGTERM} x {parent, group}, a third of them in the first
     second, the rest across the run and its publish; then 3 SIGKILLs of the parent alone. Every
     one: the right exit code within 5 s of the signal, no traceback, no process of the build alive
-    3 s after its exit, no /dev/shm name left, and a complete dataset exactly when it exits 0."""
+    3 s after its exit, no /dev/shm name left, and a complete dataset exactly when it exits 0; after
+    a SIGKILL, nothing at all on stderr (the build's other processes see their parent gone)."""
     args = ["build", str(photos), "--workers", "2", "--batch-size", "64", "-q"]
     started = time.monotonic()
     whole = run_cli(*args, "-o", tmp_path / "whole.zarr")
@@ -42,7 +44,8 @@ def test_every_signal_at_any_moment_ends_cleanly(photos: Path, tmp_path: Path) -
     for n, (sig, target, delay) in enumerate(plan(random.Random(STRESS_SEED), 20, 3, run_s)):
         trial = run_trial(args, tmp_path / f"out{n}.zarr", sig, target, delay)
         killed += trial.code == -9
-        if not trial.ok(expected_codes(sig), run_s) or (trial.exit_s or 99) > 5:
+        noisy = sig == signal.SIGKILL and trial.stderr.strip() != ""
+        if not trial.ok(expected_codes(sig), run_s) or (trial.exit_s or 99) > 5 or noisy:
             failures.append(trial.line() + "\n" + trial.stderr[-500:])
     assert failures == []
     assert killed >= 2  # the SIGKILLs came while the build ran (a build of it at most 70% through)

@@ -3,6 +3,7 @@ each exercised, so a Python release that changes one fails here first; and the /
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import threading
 import time
 import uuid
 from multiprocessing.pool import Pool
+from multiprocessing.queues import SimpleQueue
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,7 @@ import pytest
 from batchctl.records import Task, TaskOutput, WorkItem
 from batchctl.run.mpinternals import (
     QuietPool,
+    ResultQueue,
     name_semaphores_after,
     pool_workers,
     reimporting_main,
@@ -82,6 +85,39 @@ def test_a_quiet_pools_worker_handler_wakes_for_changes_not_for_results(monkeypa
         assert len(pool.map(_pid, range(20))) == 20 and len(pool_workers(pool)) == 2
     finally:
         assert _ends_within(pool, 20)
+
+
+@pytest.mark.parametrize("quiet", [True, False])
+def test_a_pool_worker_whose_parent_is_gone_leaves_without_a_traceback(
+    quiet: bool, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A result nobody will read any more (the parent was killed) ends a QuietPool's worker at
+    once and quietly; through a plain SimpleQueue the same put raises BrokenPipeError, and the
+    child prints its traceback on the terminal. (A spawned child, so it writes to this test's
+    stderr.)"""
+    ctx = multiprocessing.get_context("spawn")
+    queue: SimpleQueue[Any] = ResultQueue(ctx=ctx) if quiet else ctx.SimpleQueue()
+    pool = QuietPool(1, context=mp_context())
+    try:
+        assert isinstance(pool._outqueue, ResultQueue)  # what its workers put to
+        assert pool.map(_pid, range(3)) == [pool_workers(pool)[0].pid] * 3  # and results come through it
+    finally:
+        assert _ends_within(pool, 20)
+    closed = ctx.Event()
+    child = ctx.Process(target=_put_unread, args=(queue, closed))
+    child.start()
+    queue._reader.close()  # type: ignore[attr-defined]  # the parent's end of the results pipe: gone
+    closed.set()
+    child.join(30)
+    err = capfd.readouterr().err
+    assert child.exitcode == 1
+    assert ("Traceback" in err) is not quiet, err
+
+
+def _put_unread(queue: Any, closed: Any) -> None:
+    queue._reader.close()  # as a pool worker does: only the parent reads results
+    closed.wait(30)
+    queue.put(("job", 0, (True, [(0, 1, None)])))
 
 
 def _pause(_: int) -> bytes:

@@ -19,6 +19,8 @@ Why each is needed:
   (`multiprocessing.connection.wait`), so a stop request never waits behind a busy inbox.
 - `Pool._get_sentinels`: what the worker-handler thread wakes for besides its workers' exits
   (`QuietPool`).
+- `Pool._setup_queues`: the pool's results pipe is a `ResultQueue`, whose workers leave quietly
+  once the parent is gone (`QuietPool`).
 - `process.ORIGINAL_DIR`: where a child looks for the parent's main script, when its path is
   relative (`main_script_for_children`).
 - `current_process()._inheriting`: set while a new child re-runs the parent's main script
@@ -34,20 +36,42 @@ import sys
 import threading
 from multiprocessing import process, reduction
 from multiprocessing.pool import TERMINATE, Pool
+from multiprocessing.queues import SimpleQueue
 from typing import Any
 
 LOCK_WAIT_S = 0.5
 SHUTDOWN_S = 5.0
 
 
+class ResultQueue(SimpleQueue[Any]):
+    """A pool's results pipe. A worker whose parent is gone (a SIGKILL, the OOM killer) cannot
+    deliver its result: CPython's pool worker then sends the error instead, fails the same way,
+    and prints both tracebacks on the terminal the build ran in (2 of 40 SIGKILLs of the parent
+    half a second into a build, `tests/stress.py`). A worker here leaves quietly instead: the
+    fork server, and with it every worker, is ending anyway."""
+
+    def put(self, obj: Any) -> None:
+        try:
+            super().put(obj)
+        except (BrokenPipeError, ConnectionResetError):  # nobody reads the pipe any more
+            os._exit(1)
+
+
 class QuietPool(Pool):
     """A Pool whose worker-handler thread wakes only when a worker exits or the pool's state
     changes (closed, terminated, no task left). CPython's also wakes whenever a result waits in
     the results pipe, and loops until the result-handler thread has read it: ~50 us of CPU per
-    photo with 2 workers (1% of a worker's time, on the cores the workers need)."""
+    photo with 2 workers (1% of a worker's time, on the cores the workers need). Its results
+    pipe is a `ResultQueue`."""
 
     def _get_sentinels(self) -> list[Any]:
         return [self._change_notifier._reader]  # type: ignore[attr-defined]
+
+    def _setup_queues(self) -> None:
+        self._inqueue = self._ctx.SimpleQueue()  # type: ignore[attr-defined]
+        self._outqueue = ResultQueue(ctx=self._ctx)  # type: ignore[attr-defined]
+        self._quick_put = self._inqueue._writer.send
+        self._quick_get = self._outqueue._reader.recv  # type: ignore[attr-defined]
 
 
 def pool_workers(pool: Pool) -> list[Any]:

@@ -51,6 +51,10 @@ REIMPORTED_MAIN_TEXT = (
     "the script calling batchctl.build() runs it again in every process the build starts (multiprocessing "
     'imports the main script in each); put the call under `if __name__ == "__main__":`'
 )
+# The resource tracker outlives a parent killed outright (SIGKILL, the OOM killer) and unlinks the
+# build's semaphores then, as it should, but warns on stderr that they "appear to be leaked" (two
+# lines after every such kill, `tests/stress.py`): it is started with that warning ignored.
+TRACKER_WARNINGS = "ignore::UserWarning:multiprocessing.resource_tracker"
 SHM_DIR = Path("/dev/shm")
 # /dev/shm names batchctl creates, with the pid of the build's parent: semaphores, and the named
 # ring segments of batchctl before 0.1.1.
@@ -75,7 +79,15 @@ def start_forkserver() -> None:
     mp_context()
     # The resource tracker first: starting it unblocks SIGINT/SIGTERM in this thread when done
     # (its own block and unblock), which would leave the fork server started unprotected.
-    resource_tracker.ensure_running()
+    warnings = os.environ.get("PYTHONWARNINGS")
+    os.environ["PYTHONWARNINGS"] = f"{warnings},{TRACKER_WARNINGS}" if warnings else TRACKER_WARNINGS
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        if warnings is None:
+            del os.environ["PYTHONWARNINGS"]
+        else:
+            os.environ["PYTHONWARNINGS"] = warnings
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     added = limit_library_threads()  # for the server and its children, not for a calling program
     try:
