@@ -91,18 +91,12 @@ def test_a_quiet_pools_worker_handler_wakes_for_changes_not_for_results(monkeypa
 def test_a_pool_worker_whose_parent_is_gone_leaves_without_a_traceback(
     quiet: bool, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    """A result nobody will read any more (the parent was killed) ends a QuietPool's worker at
+    """A result nobody will read any more (the parent was killed) ends a ResultQueue's writer at
     once and quietly; through a plain SimpleQueue the same put raises BrokenPipeError, and the
     child prints its traceback on the terminal. (A spawned child, so it writes to this test's
     stderr.)"""
     ctx = multiprocessing.get_context("spawn")
     queue: SimpleQueue[Any] = ResultQueue(ctx=ctx) if quiet else ctx.SimpleQueue()
-    pool = QuietPool(1, context=mp_context())
-    try:
-        assert isinstance(pool._outqueue, ResultQueue)  # what its workers put to
-        assert pool.map(_pid, range(3)) == [pool_workers(pool)[0].pid] * 3  # and results come through it
-    finally:
-        assert _ends_within(pool, 20)
     closed = ctx.Event()
     child = ctx.Process(target=_put_unread, args=(queue, closed))
     child.start()
@@ -118,6 +112,15 @@ def _put_unread(queue: Any, closed: Any) -> None:
     queue._reader.close()  # as a pool worker does: only the parent reads results
     closed.wait(30)
     queue.put(("job", 0, (True, [(0, 1, None)])))
+
+
+def test_a_quiet_pools_workers_send_their_results_through_a_result_queue() -> None:
+    pool = QuietPool(1, context=mp_context())
+    try:
+        assert isinstance(pool._outqueue, ResultQueue)  # what its workers put to
+        assert pool.map(_pid, range(3)) == [pool_workers(pool)[0].pid] * 3  # and results come through it
+    finally:
+        assert _ends_within(pool, 20)
 
 
 def _pause(_: int) -> bytes:
