@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import hashlib
 import math
 import os
 import shutil
@@ -52,11 +53,13 @@ from batchctl.run.processes import (
 from batchctl.run.staging import BuildPaths
 from batchctl.run.writeplan import Carry, CollatorConfig, ResumePoint
 from batchctl.store import metadata as meta, storage
+from batchctl.store.journal import Untrusted
 from batchctl.store.storage import SourceRoot
+from batchctl.store.zarrmeta import DatasetFiles
 from batchctl.version import __version__
 
 if TYPE_CHECKING:
-    from batchctl.store.zarrmeta import ArrayMeta, DatasetFiles
+    from batchctl.store.zarrmeta import ArrayMeta
 
 # batchctl.store.format (numcodecs) is imported by the methods that encode or decode chunks, and
 # zarr-python only where a dataset is read through it: a fresh build writes its `zarr.json`
@@ -185,6 +188,7 @@ class _Builder:
         self.digests: dict[str, str] = {}  # --checksum: each input's content hash
         self.carry: Carry | None = None  # an incremental build's rows carried over from the last one
         self.kept_groups: list[dict[str, Any]] = []  # --engine dask: groups an interrupted run finished
+        self.record_sha256 = ""  # an incremental build: the hash of the last build's record
 
     def run(self) -> BuildReport:
         if storage.is_url(self.output):
@@ -212,6 +216,7 @@ class _Builder:
     def _run_locked(self) -> BuildReport:
         check_signalled()  # checkpoints: a signal whose raise library code swallowed is acted on here
         sweep_dead_builds()  # what builds killed with their whole process group left in /dev/shm
+        self._recover_publish()
         discovery = discover(
             self.source, self.preprocessor.accepts, self.options.seed, self.options.storage_options, self.output
         )
@@ -308,6 +313,13 @@ class _Builder:
         self.report.bytes = storage.tree_bytes(self.output, self.options.storage_options)
         return self._end("complete")
 
+    def _recover_publish(self) -> None:
+        """A run killed while publishing: finish it, or drop its marker so the build resumes."""
+        published = meta.read_dataset_attrs(self.output, self.options.storage_options)
+        done = self.work.recover(published.build_id if published is not None and published.complete else None)
+        if done:
+            self.progress.info(done)
+
     def _up_to_date(self, fingerprint: str) -> bool:
         attrs = meta.read_dataset_attrs(self.output, self.options.storage_options)
         if attrs is None or not attrs.complete or attrs.fingerprint != fingerprint:
@@ -323,11 +335,14 @@ class _Builder:
     def _plan(self, discovery: Discovery) -> list[Task]:
         """Resume an interrupted build of the same options, else build on the last complete build
         (incrementally), else start a fresh staging dataset."""
-        state = self.work.read_state()
-        if state is not None and self.options.resume:
-            if state.get("spec") != self.spec or state.get("source") != str(self.source):
-                raise ResumeMismatchError(_mismatch_text(state, self.spec, str(self.source)))
-            tasks = self._resume(discovery, state)
+        if self.options.resume:
+            try:
+                tasks = self._resume_interrupted(discovery)
+            except Untrusted as exc:
+                raise Untrusted(
+                    f"the interrupted build's work in {self.paths.workdir_url} is not what batchctl wrote ({exc}); "
+                    "rerun with --no-resume to start over"
+                ) from None
             if tasks is not None:
                 return tasks
         found = self._incremental_plan(discovery)
@@ -341,6 +356,25 @@ class _Builder:
         meta.write_dataset_attrs(self.paths.staging_files, self._attrs(discovery), new=True)
         self.work.write_state(self._state(discovery))
         return self._tasks(discovery, {})
+
+    def _resume_interrupted(self, discovery: Discovery) -> list[Task] | None:
+        """The tasks left by an interrupted build of the same options, or None when there is none
+        to resume (or it cannot be resumed)."""
+        state = self.work.read_state()
+        if state is None:
+            return None
+        if state.get("spec") != self.spec or state.get("source") != str(self.source):
+            raise ResumeMismatchError(_mismatch_text(state, self.spec, str(self.source)))
+        seeded = state.get("incremental")
+        if seeded is not None and seeded["carry_from"] != self._carry_from:
+            raise Untrusted(f"state.json: carry_from is {seeded['carry_from']!r}, not {self._carry_from!r}")
+        return self._resume(discovery, state)
+
+    @property
+    def _carry_from(self) -> str:
+        """Where an incremental build reads the rows it carries over: the published dataset, or
+        on an object store (where the dataset changes in place) the copies of its shards."""
+        return f"{self.paths.workdir_url}/previous.zarr" if self.paths.remote else self.output
 
     def _state(self, discovery: Discovery, **more: Any) -> dict[str, Any]:
         return {
@@ -363,10 +397,21 @@ class _Builder:
         if self.options.force:
             self.progress.info("building everything (--force)")
             return None
-        record = incremental.read_record(self.paths.record_url, self.options.storage_options)
-        if record is None or not attrs.build_id or record.build_id != attrs.build_id:
+        try:
+            record = incremental.read_record(
+                self.paths.record_url, self.options.storage_options, attrs.build_id, attrs.record_sha256
+            )
+            if record is not None:
+                width = DatasetFiles(self.output, self.options.storage_options).arrays()[meta.SOURCE].shape[1]
+                incremental.check_fits(record, attrs, width)
+        except (FormatError, KeyError, IndexError) as exc:
+            why_not = str(exc) if isinstance(exc, FormatError) else "the dataset has no source column"
+            self.progress.info(f"building everything: the record {self.paths.record_url} is not used: {why_not}")
+            return None
+        if record is None:
             self.progress.info("building everything: no record of which file each row of OUTPUT came from")
             return None
+        self.record_sha256 = attrs.record_sha256
         why = _differences({**record.spec, "source": record.source}, {**self.spec, "source": str(self.source)})
         if record.classes != discovery.classes:
             why.append("the class folders changed")
@@ -386,13 +431,12 @@ class _Builder:
         where it moves shards in place, the next run builds everything)."""
         from batchctl.store import format as fmt
 
-        carry_from = self.output
+        carry_from = self._carry_from
         files = self.paths.staging_files
         if self.paths.remote:
             # no longer complete, nor the build its record names: its shards move now
             fmt.write_dataset_attrs(files, self._attrs(discovery))
             fs, root = storage.locate(self.output, self.options.storage_options)
-            carry_from = f"{self.paths.workdir_url}/previous.zarr"
             arrays = files.arrays()
             _copy_metadata(files, fmt.DatasetFiles(carry_from, self.options.storage_options), arrays)
             for shard in sorted({r.shard for r in plan.carry}):
@@ -431,6 +475,7 @@ class _Builder:
             discovery,
             incremental={
                 "build_id": record.build_id,
+                "record_sha256": self.record_sha256,
                 "carry_from": carry_from,
                 "kept_shards": len(plan.done_shards),
                 "kept_samples": plan.kept_samples,
@@ -513,8 +558,17 @@ class _Builder:
         if known is not None:
             plan, record = known
         else:
-            loaded = incremental.read_record(self.paths.record_url, self.options.storage_options)
-            if loaded is None or loaded.build_id != seeded.get("build_id"):
+            try:
+                loaded = incremental.read_record(
+                    self.paths.record_url,
+                    self.options.storage_options,
+                    str(seeded["build_id"]),
+                    str(seeded.get("record_sha256", "")),
+                )
+            except Untrusted as exc:
+                self.progress.info(f"the record of the last build is not used ({exc}); starting over")
+                return None
+            if loaded is None:
                 self.progress.info("the record of the last build is gone; starting over")
                 return None
             record = loaded
@@ -549,6 +603,8 @@ class _Builder:
                 key = arr.shard_key(int(batch["shard"]))
                 if key not in sizes:
                     sizes[key] = files.size(key)
+                if name not in batch["chunks"]:
+                    raise Untrusted(f"journal: batch {batch['batch']} has no chunk of {name!r}")
                 offset, nbytes = batch["chunks"][name]
                 if sizes[key] < offset + nbytes:
                     return False
@@ -726,9 +782,12 @@ class _Builder:
         )
 
     def _publish(self, discovery: Discovery, fingerprint: str, finished: Finished, record: incremental.Record) -> None:
-        """Mark the staging dataset complete (its last write), then move it and its record into place."""
-        meta.write_dataset_attrs(self.paths.staging_files, self._attrs(discovery, fingerprint, finished))
-        self.work.publish(incremental.record_bytes(record))
+        """Mark the staging dataset complete (its last write, naming its record's hash), then move
+        it and its record into place."""
+        raw = incremental.record_bytes(record)
+        attrs = self._attrs(discovery, fingerprint, finished)
+        attrs.record_sha256 = hashlib.sha256(raw).hexdigest()
+        self.work.publish(raw, self.build_id, lambda: meta.write_dataset_attrs(self.paths.staging_files, attrs))
 
     def _end(self, status: Any, message: str = "") -> BuildReport:
         self.progress.close()

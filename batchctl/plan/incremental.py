@@ -19,6 +19,7 @@ journaled as finished shards, so an interrupted incremental run resumes like any
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
@@ -27,7 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from batchctl.records import CarryRun, PathKey, WorkItem
-from batchctl.store import storage
+from batchctl.store import journal, storage
+from batchctl.store.journal import Untrusted
+from batchctl.store.metadata import DatasetAttrs
 
 RECORD_VERSION = 1
 
@@ -80,32 +83,61 @@ def _batch_line(batch: Mapping[str, Any]) -> dict[str, Any]:
     return {"batch": batch["batch"], "shard": batch["shard"], "rows": batch["rows"], "files": batch["files"]}
 
 
-def read_record(where: str, storage_options: Mapping[str, Any]) -> Record | None:
-    """The record at `where`, or None when there is none or it cannot be read whole."""
+def read_record(where: str, storage_options: Mapping[str, Any], build_id: str, sha256: str) -> Record | None:
+    """The record at `where` of the dataset `build_id` whose record hashes to `sha256` (empty:
+    a dataset of an older batchctl, which did not say), or None when there is none. Raises
+    `Untrusted`, saying why, for a record that is not that dataset's or not of batchctl's form."""
     try:
         if storage.is_url(where):
             raw = storage.filesystem(where, storage_options).cat_file(storage.fs_path(where))
         else:
             raw = Path(where).read_bytes()
-        lines = [json.loads(text) for text in raw.decode().splitlines() if text]
-        header = lines[0]
-        if header.get("record") != RECORD_VERSION:
-            return None
-        return Record(
-            build_id=str(header["build_id"]),
-            spec=header["spec"],
-            source=str(header["source"]),
-            classes=header["classes"],
-            batch_size=int(header["batch_size"]),
-            shard_batches=int(header["shard_batches"]),
-            source_width=int(header["source_width"]),
-            checksum=bool(header["checksum"]),
-            batches=lines[1:],
-            skipped=dict(header["skipped"]),
-            digests=dict(header["digests"]),
-        )
-    except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError):
+    except FileNotFoundError:
         return None
+    except OSError as exc:
+        raise Untrusted(f"it cannot be read ({exc.strerror or exc})") from None
+    if sha256 and hashlib.sha256(raw).hexdigest() != sha256:
+        raise Untrusted("its contents are not those the dataset was published with")
+    try:
+        lines = [json.loads(text) for text in raw.decode().splitlines() if text]
+    except ValueError:
+        raise Untrusted("it is not JSON lines") from None
+    if not lines:
+        raise Untrusted("it is empty")
+    header = journal.check_record_header(lines[0])
+    if header.get("record") != RECORD_VERSION:
+        raise Untrusted(f"it is of version {header.get('record')!r}, not {RECORD_VERSION}")
+    if header["build_id"] != build_id:
+        raise Untrusted("it is the record of another build")
+    batch_size, shard_batches = header["batch_size"], header["shard_batches"]
+    batches = [journal.check_batch(line, batch_size, chunks=False) for line in lines[1:]]
+    journal.check_sequence(batches, batch_size, shard_batches)
+    return Record(
+        build_id=header["build_id"],
+        spec=header["spec"],
+        source=header["source"],
+        classes=header["classes"],
+        batch_size=batch_size,
+        shard_batches=shard_batches,
+        source_width=header["source_width"],
+        checksum=header["checksum"],
+        batches=batches,
+        skipped=header["skipped"],
+        digests=header["digests"],
+    )
+
+
+def check_fits(record: Record, attrs: DatasetAttrs, source_width: int) -> None:
+    """The record describes `attrs`' dataset row for row: its batch size, shard size, source
+    width and counts (raises `Untrusted`)."""
+    samples = sum(int(batch["rows"]) for batch in record.batches)
+    ours = (record.batch_size, record.shard_batches, record.source_width, samples, len(record.batches))
+    theirs = (attrs.batch_size, attrs.shard_batches, source_width, attrs.num_samples, attrs.num_batches)
+    if ours != theirs:
+        raise Untrusted(
+            "it does not describe the dataset: (batch_size, shard_batches, source_width, samples, batches) "
+            f"{ours} against the dataset's {theirs}"
+        )
 
 
 @dataclass(frozen=True)

@@ -20,17 +20,21 @@ import os
 import shutil
 import stat
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from batchctl.errors import UsageError
 from batchctl.run.processes import signals_ignored
-from batchctl.store import storage
+from batchctl.store import journal, storage
+from batchctl.store.journal import Untrusted
 from batchctl.store.zarrmeta import DatasetFiles
 
 RENAME_EXCHANGE = 2
+PUBLISHING = "publishing"  # in the work folder: the build_id being moved to OUTPUT right now
+STAGED_RECORD = "record"  # in the work folder: the record of the dataset being published
+REPLACED = "replaced.zarr"  # where the old dataset goes where there is no atomic exchange
 
 
 @dataclass(frozen=True)
@@ -166,11 +170,20 @@ class Workdir(ABC):
         """Keep only `lines` (what a resumed build trusts)."""
 
     @abstractmethod
-    def publish(self, record: bytes) -> None:
-        """Put the staging dataset (marked complete) and its `record` in place, then drop the work.
+    def publish(self, record: bytes, build_id: str, mark_complete: Callable[[], None]) -> None:
+        """Mark the staging dataset complete (`mark_complete`: the attributes of build
+        `build_id`), put it and its `record` in place, then drop the work.
 
-        SIGINT/SIGTERM wait until the dataset and its record are in place and the work can no
-        longer be taken for an interrupted build (its state is gone)."""
+        The work says what it is publishing (`PUBLISHING`, written durably first), so that a run
+        killed at any point of this is either resumed (the dataset at OUTPUT is not yet
+        `build_id`'s) or finished by the next run's `recover` (it is): once the dataset is in
+        place, the work's staging dataset is the *previous* one and must never be resumed.
+        SIGINT/SIGTERM wait until the dataset and its record are in place and the state is gone."""
+
+    @abstractmethod
+    def recover(self, published_id: str | None) -> str | None:
+        """Finish or undo a publish a killed run left half done; `published_id` is the build_id
+        of the complete dataset at OUTPUT (None: none there). Returns a line when it finished one."""
 
 
 def workdir(paths: BuildPaths) -> Workdir:
@@ -224,22 +237,24 @@ class LocalWorkdir(Workdir):
 
     def read_state(self) -> dict[str, Any] | None:
         try:
-            state = json.loads(self.paths.state.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+            raw = self.paths.state.read_bytes()
+        except FileNotFoundError:
             return None
-        return state if isinstance(state, dict) else None
+        return _parse_state(raw)
 
     def read_journal(self) -> list[dict[str, Any]]:
-        lines: list[dict[str, Any]] = []
         try:
-            texts = self.paths.journal.read_text(encoding="utf-8").splitlines()
-        except (OSError, ValueError):
-            return lines
-        for text in texts:
+            texts = self.paths.journal.read_bytes().splitlines()
+        except FileNotFoundError:
+            return []
+        lines: list[dict[str, Any]] = []
+        for number, text in enumerate(texts, 1):
             try:
                 lines.append(json.loads(text))
             except ValueError:
-                break
+                if number == len(texts):  # the line a kill cut short
+                    break
+                raise Untrusted(f"journal line {number} is not JSON") from None
         return lines
 
     def append_journal(self, lines: list[dict[str, Any]]) -> None:
@@ -258,24 +273,55 @@ class LocalWorkdir(Workdir):
             journal.flush()
             os.fsync(journal.fileno())
 
-    def publish(self, record: bytes) -> None:
+    def publish(self, record: bytes, build_id: str, mark_complete: Callable[[], None]) -> None:
         """Deleting the old dataset afterwards may be interrupted freely."""
         paths = self.paths
-        staged = paths.workdir / "record"
-        with open(staged, "wb") as file:
-            file.write(record)
-            file.flush()
-            os.fsync(file.fileno())
+        mark_complete()
+        _write_durably(paths.workdir / STAGED_RECORD, record)
+        _write_durably(paths.workdir / PUBLISHING, build_id.encode())
+        _fsync_dir(paths.workdir)
         with signals_ignored():
             if not paths.output.exists():
                 os.rename(paths.staging, paths.output)
             elif not _exchange(paths.staging, paths.output):
-                os.rename(paths.output, paths.workdir / "replaced.zarr")
+                os.rename(paths.output, paths.workdir / REPLACED)
                 os.rename(paths.staging, paths.output)
+            _fsync_dir(paths.output.parent)
+            self._finish_publish()
+
+    def _finish_publish(self) -> None:
+        """After the dataset is at OUTPUT: the state goes first (nothing left to resume), then the
+        record moves beside OUTPUT, then the work folder (the old dataset) is deleted."""
+        paths = self.paths
+        paths.state.unlink(missing_ok=True)
+        _fsync_dir(paths.workdir)
+        staged = paths.workdir / STAGED_RECORD
+        if staged.exists():
             os.replace(staged, paths.record_url)
             _fsync_dir(paths.output.parent)
-            paths.state.unlink(missing_ok=True)
         self.discard()
+
+    def recover(self, published_id: str | None) -> str | None:
+        paths = self.paths
+        marker = paths.workdir / PUBLISHING
+        try:
+            publishing = marker.read_text(encoding="ascii").strip()
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):
+            publishing = ""
+        with signals_ignored():
+            if publishing and publishing == published_id:
+                self._finish_publish()
+                return "finished publishing the last build, which was stopped just after its dataset was in place"
+            replaced = paths.workdir / REPLACED
+            if not paths.output.exists() and replaced.is_dir():  # stopped between the two renames
+                os.rename(replaced, paths.output)
+                _fsync_dir(paths.output.parent)
+            (paths.workdir / STAGED_RECORD).unlink(missing_ok=True)
+            marker.unlink()
+            _fsync_dir(paths.workdir)
+        return None
 
 
 class RemoteWorkdir(Workdir):
@@ -302,23 +348,31 @@ class RemoteWorkdir(Workdir):
             self.fs.rm(where, recursive=True)
 
     def _state_key(self) -> str:
-        return storage.fs_path(f"{self.paths.workdir_url}/state.json")
+        return self._work_key("state.json")
 
     def write_state(self, state: dict[str, Any]) -> None:
         self.fs.pipe_file(self._state_key(), json.dumps(state).encode())
 
     def read_state(self) -> dict[str, Any] | None:
         try:
-            state = json.loads(self.fs.cat_file(self._state_key()))
-        except (OSError, ValueError):
+            raw = self.fs.cat_file(self._state_key())
+        except FileNotFoundError:
             return None
-        return state if isinstance(state, dict) else None
+        return _parse_state(raw)
 
     def read_journal(self) -> list[dict[str, Any]]:
-        try:
-            return [line for name in self._journal_objects() for line in json.loads(self.fs.cat_file(name))]
-        except (OSError, ValueError):
-            return []
+        lines: list[dict[str, Any]] = []
+        for name in self._journal_objects():
+            try:
+                found = json.loads(self.fs.cat_file(name))
+            except FileNotFoundError:
+                continue
+            except ValueError:
+                raise Untrusted(f"journal object {name} is not JSON") from None
+            if not isinstance(found, list):
+                raise Untrusted(f"journal object {name} is not a list of lines")
+            lines += found
+        return lines
 
     def _journal_objects(self) -> list[str]:
         where = storage.fs_path(self.paths.journal_url)
@@ -346,12 +400,40 @@ class RemoteWorkdir(Workdir):
         if stale:
             self.fs.rm(stale)
 
-    def publish(self, record: bytes) -> None:
-        """The dataset was written in place and is complete already: its record is sent, the
-        work objects go."""
+    def publish(self, record: bytes, build_id: str, mark_complete: Callable[[], None]) -> None:
+        """The dataset was written in place: the record is staged, the dataset marked complete
+        (its last write), then the record is copied beside it and the work objects go."""
         with signals_ignored():
-            self.fs.pipe_file(storage.fs_path(self.paths.record_url), record)
+            self.fs.pipe_file(self._work_key(STAGED_RECORD), record)
+            self.fs.pipe_file(self._work_key(PUBLISHING), build_id.encode())
+            mark_complete()
+            self._finish_publish()
+
+    def _finish_publish(self) -> None:
+        if self.fs.exists(self._state_key()):
+            self.fs.rm(self._state_key())
+        staged = self._work_key(STAGED_RECORD)
+        if self.fs.exists(staged):
+            self.fs.pipe_file(storage.fs_path(self.paths.record_url), self.fs.cat_file(staged))
         self.discard()
+
+    def recover(self, published_id: str | None) -> str | None:
+        marker = self._work_key(PUBLISHING)
+        try:
+            publishing = self.fs.cat_file(marker).decode("ascii", "replace").strip()
+        except FileNotFoundError:
+            return None
+        with signals_ignored():
+            if publishing and publishing == published_id:
+                self._finish_publish()
+                return "finished publishing the last build, which was stopped just after its dataset was complete"
+            for key in (marker, self._work_key(STAGED_RECORD)):
+                if self.fs.exists(key):
+                    self.fs.rm(key)
+        return None
+
+    def _work_key(self, name: str) -> str:
+        return storage.fs_path(f"{self.paths.workdir_url}/{name}")
 
 
 @dataclass(frozen=True)
@@ -392,10 +474,14 @@ def _last_of_shard(batch: dict[str, Any], batches: list[dict[str, Any]]) -> bool
 def resolve_journal(lines: list[dict[str, Any]], batch_size: int) -> Journaled:
     """The batches 0..K-1 in order, a later line for a batch replacing an earlier one (a resumed
     half-filled batch is written again once full). Only the last batch can be short; anything
-    out of order ends the journal there."""
+    out of order ends the journal there. A line not of batchctl's form raises `Untrusted`."""
     batches: list[dict[str, Any]] = []
     done = 0
-    for line in lines:
+    for place, line in enumerate(lines, 1):
+        try:
+            journal.check_journal_line(line, batch_size)
+        except Untrusted as exc:
+            raise Untrusted(f"journal line {place}: {exc}") from None
         if "shard_done" in line:
             done += line["shard_done"] == done
             continue
@@ -406,10 +492,22 @@ def resolve_journal(lines: list[dict[str, Any]], batch_size: int) -> Journaled:
             batches.append(line)
         else:
             break
+    try:
+        journal.check_sequence(batches, batch_size, None)
+    except Untrusted as exc:
+        raise Untrusted(f"the journal's batches: {exc}") from None
     partial = None
     if batches and batches[-1]["rows"] < batch_size and batches[-1]["shard"] >= done:  # not a closed final shard
         partial = batches.pop()
     return Journaled(batches, partial, done)
+
+
+def _parse_state(raw: bytes) -> dict[str, Any]:
+    try:
+        return journal.check_state(json.loads(raw))
+    except ValueError as exc:  # Untrusted is one
+        reason = str(exc) if isinstance(exc, Untrusted) else "it is not JSON"
+        raise Untrusted(f"state.json: {reason}") from None
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -426,6 +524,16 @@ def _exchange(a: Path, b: Path) -> bool:
     if ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
         return False
     raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()), str(b))
+
+
+def _write_durably(path: Path, data: bytes) -> None:
+    """`path` holds `data` whole, on disk, or is left as it was (written aside, then renamed)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as file:
+        file.write(data)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(tmp, path)
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -96,6 +96,7 @@ class DatasetAttrs:
     source: str
     fingerprint: str = ""
     build_id: str = ""  # unique to the build that wrote this version; its record beside OUTPUT names it too
+    record_sha256: str = ""  # the SHA-256 of that record's bytes: a record that differs is not this dataset's
     complete: bool = False
     num_samples: int = 0
     num_batches: int = 0
