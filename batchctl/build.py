@@ -41,7 +41,7 @@ from batchctl.records import (
 )
 from batchctl.report import BuildReport, Changes, FileError
 from batchctl.run import staging
-from batchctl.run.lock import BuildLock
+from batchctl.run.lock import BuildLock, LockUnavailable
 from batchctl.run.pipeline import Pipeline, PipelineConfig
 from batchctl.run.processes import (
     leave_if_reimporting_main,
@@ -196,7 +196,13 @@ class _Builder:
         elif not self.paths.output.parent.is_dir():
             raise UsageError(f"OUTPUT's folder {self.paths.output.parent} does not exist.")
         self.work.check()
-        with BuildLock(self.paths.lock), signals_raise():
+        try:
+            lock = BuildLock(self.paths.lock).acquire()
+        except LockUnavailable:  # a folder this user cannot write: enough to say a dataset is up to date
+            if not self.options.force and self._up_to_date(self._fingerprint(self._discover())):
+                return self._end("up_to_date")
+            raise
+        with lock, signals_raise():
             try:
                 return self._run_locked()
             except (Signalled, Exception) as exc:
@@ -217,13 +223,8 @@ class _Builder:
         check_signalled()  # checkpoints: a signal whose raise library code swallowed is acted on here
         sweep_dead_builds()  # what builds killed with their whole process group left in /dev/shm
         self._recover_publish()
-        discovery = discover(
-            self.source, self.preprocessor.accepts, self.options.seed, self.options.storage_options, self.output
-        )
-        self.report.ignored = discovery.ignored
-        if self.options.checksum:
-            self.digests = hash_files(self.source, discovery.items, self.options.storage_options, self.options.workers)
-        fingerprint = discovery.fingerprint([self.spec, discovery.classes], digests=self.digests)
+        discovery = self._discover()
+        fingerprint = self._fingerprint(discovery)
         if not self.options.force and self._up_to_date(fingerprint):
             return self._end("up_to_date")
         if self.options.engine == "local":
@@ -313,6 +314,19 @@ class _Builder:
         self.report.bytes = storage.tree_bytes(self.output, self.options.storage_options)
         return self._end("complete")
 
+    def _discover(self) -> Discovery:
+        discovery = discover(
+            self.source, self.preprocessor.accepts, self.options.seed, self.options.storage_options, self.output
+        )
+        self.report.ignored = discovery.ignored
+        return discovery
+
+    def _fingerprint(self, discovery: Discovery) -> str:
+        """What a dataset built from these files with these options says it was built from."""
+        if self.options.checksum:
+            self.digests = hash_files(self.source, discovery.items, self.options.storage_options, self.options.workers)
+        return discovery.fingerprint([self.spec, discovery.classes], digests=self.digests)
+
     def _recover_publish(self) -> None:
         """A run killed while publishing: finish it, or drop its marker so the build resumes."""
         published = meta.read_dataset_attrs(self.output, self.options.storage_options)
@@ -335,6 +349,7 @@ class _Builder:
     def _plan(self, discovery: Discovery) -> list[Task]:
         """Resume an interrupted build of the same options, else build on the last complete build
         (incrementally), else start a fresh staging dataset."""
+        self.report.in_place = self.paths.remote  # from here on a URL OUTPUT is written in place
         if self.options.resume:
             try:
                 tasks = self._resume_interrupted(discovery)
@@ -541,6 +556,8 @@ class _Builder:
         self.report.resumed_shards = kept.done_shards - (seeded or {}).get("kept_shards", 0)
         kept_samples = sum(int(entry[1]) for entry in kept.entries)
         self.report.resumed_samples = kept_samples - (seeded or {}).get("kept_samples", 0)
+        if self.report.resumed_samples < 0:
+            raise Untrusted(f"state.json: kept_samples is more than the {kept_samples} rows the journal keeps")
         self.resumed_batches = len(kept.batches)
         if self.report.resumed_samples:
             self.progress.info(f"resuming: {self.report.resumed_samples} samples kept from the interrupted build")
@@ -788,6 +805,8 @@ class _Builder:
         attrs = self._attrs(discovery, fingerprint, finished)
         attrs.record_sha256 = hashlib.sha256(raw).hexdigest()
         self.work.publish(raw, self.build_id, lambda: meta.write_dataset_attrs(self.paths.staging_files, attrs))
+        for warning in self.work.warnings:
+            self.progress.info(warning)
 
     def _end(self, status: Any, message: str = "") -> BuildReport:
         self.progress.close()
@@ -848,8 +867,8 @@ def _check_store_reachable(paths: BuildPaths) -> None:
     """Fail early, in one line, when the store cannot be reached or the bucket is missing."""
     bucket = storage.fs_path(paths.url).split("/", 1)[0]
     try:
-        found = paths.fs.exists(bucket)
+        paths.fs.ls(bucket, detail=False)  # unlike exists(), raises when the store cannot be reached
+    except FileNotFoundError:
+        raise UsageError(f"OUTPUT {paths.url}: no bucket {bucket!r} (or these credentials cannot see it).") from None
     except Exception as exc:  # noqa: BLE001 - the store's client raises many kinds
         raise BuildFailed(f"cannot reach {paths.url}: {describe_error(exc)}", BuildReport("", paths.url)) from None
-    if not found:
-        raise UsageError(f"OUTPUT {paths.url}: no bucket {bucket!r} (or these credentials cannot see it).")

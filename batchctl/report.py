@@ -24,13 +24,14 @@ class Changes:
     added: dict[str, Any]
     changed: dict[str, Any]
     removed: dict[str, Any]
+    retried: dict[str, Any] = field(default_factory=lambda: {"count": 0, "paths": []})  # a transient failure's files
 
     @classmethod
     def of(cls, changes: Any) -> Changes:
         def listed(paths: list[str]) -> dict[str, Any]:
             return {"count": len(paths), "paths": list(paths)}
 
-        return cls(listed(changes.added), listed(changes.changed), listed(changes.removed))
+        return cls(listed(changes.added), listed(changes.changed), listed(changes.removed), listed(changes.retried))
 
 
 @dataclass
@@ -53,12 +54,13 @@ class BuildReport:
     samples_per_s: float = 0.0
     message: str = ""
     workers_seen: list[str] = field(default_factory=list)  # --engine dask: host:pid of each worker used
+    in_place: bool = False  # the dataset at OUTPUT is being written in place (an object store has no rename)
 
     def to_json(self) -> dict[str, Any]:
         """The report; an incremental build's `added`, `changed` and `removed` at the top level."""
         out = asdict(self)
         changes = out.pop("changes")
-        out.update(changes or {"added": None, "changed": None, "removed": None})
+        out.update(changes or {"added": None, "changed": None, "removed": None, "retried": None})
         return out
 
     def write(self, path: Path) -> None:
@@ -72,7 +74,12 @@ class BuildReport:
             verb = "Interrupted" if self.status == "interrupted" else "Failed"
             return (
                 f"{verb} {self.output} after {self.elapsed_s:.1f} s: {self.processed} files preprocessed, "
-                f"{len(self.errors)} skipped with errors; nothing at OUTPUT was changed."
+                f"{len(self.errors)} skipped with errors; "
+                + (
+                    "OUTPUT is marked incomplete until a rerun finishes it."
+                    if self.in_place
+                    else "nothing at OUTPUT was changed."
+                )
             )
         verb = "Built"
         text = (
@@ -80,9 +87,12 @@ class BuildReport:
             f"{count_of(self.shards, 'shard')}, {_size(self.bytes)}; {count_of(self.processed, 'file')} preprocessed"
         )
         if self.changes is not None:
+            retried = self.changes.retried["count"]
             text += (
                 f" ({self.changes.added['count']} added, {self.changes.changed['count']} changed, "
-                f"{self.changes.removed['count']} removed; {count_of(self.kept_samples, 'sample')} kept)"
+                f"{self.changes.removed['count']} removed"
+                + (f", {retried} retried" if retried else "")
+                + f"; {count_of(self.kept_samples, 'sample')} kept)"
             )
         if self.resumed_samples:
             text += f" ({count_of(self.resumed_samples, 'sample')} kept from an interrupted run)"

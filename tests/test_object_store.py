@@ -230,3 +230,68 @@ def test_incremental_rounds_on_s3_and_an_interrupted_one_resumes(bucket: str, s3
     assert data["resumed_samples"] >= 8 and data["added"]["count"] == 16 and data["processed"] <= 16 - 8
     assert_same_rows(rows_by_key(url), fresh_rows("fresh2.zarr"))
     assert verify(url) == []
+
+
+@pytest.fixture
+def own_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """A moto server of this test's alone (it will be stopped or killed), with a bucket."""
+    port = free_port()
+    log = open(tmp_path / "moto.log", "w")  # noqa: SIM115 - closed below
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=log
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    try:
+        wait_for(lambda: _listening(port), timeout=30)
+        _fs(endpoint).mkdir("lost")
+        yield server, endpoint
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+        server.kill()
+        server.wait(timeout=10)
+        log.close()
+
+
+def _listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP])
+@pytest.mark.parametrize("moment", [0.0, 0.7])
+def test_a_store_that_goes_away_or_freezes_mid_build_ends_it_in_one_line(
+    image_folder: Path, own_server: tuple[subprocess.Popen[bytes], str], how: int, moment: float
+) -> None:
+    """Killed, the server refuses connections; stopped, it accepts them and never answers: either
+    way the build ends non-zero within its timeouts, in one line naming the store, no traceback,
+    and says that OUTPUT was left marked incomplete (it is written in place)."""
+    server, endpoint = own_server
+    proc = start_cli(
+        "build", image_folder, "-o", "s3://lost/data.zarr", *SLOW, "--storage-option",
+        'config_kwargs={"connect_timeout": 2, "read_timeout": 2, "retries": {"max_attempts": 1}}',
+        "--storage-option", "io_timeout=5",
+    )  # fmt: skip
+    wait_for(lambda: _fs(endpoint).exists("lost/.data.zarr.batchctl/state.json"), timeout=30)  # it has begun
+    time.sleep(moment)
+    os.kill(server.pid, how)
+    sent = time.monotonic()
+    try:
+        _, stderr = proc.communicate(timeout=90)
+    finally:
+        kill_group(proc)
+    took = time.monotonic() - sent
+    assert proc.returncode == 1, stderr
+    assert "Traceback" not in stderr and "botocore" not in stderr, stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("batchctl: error:")]
+    assert len(errors) == 1 and "lost/data.zarr" in errors[0], stderr
+    assert "OUTPUT is marked incomplete until a rerun finishes it" in stderr, stderr
+    assert took < 60, took
+    assert wait_group_gone(proc.pid) == []

@@ -148,9 +148,12 @@ class Changes:
     added: list[str]
     changed: list[str]
     removed: list[str]
+    retried: list[str] = field(default_factory=list)  # skipped last time by a transient failure: tried again
 
     def line(self) -> str:
-        return f"{len(self.added)} added, {len(self.changed)} changed, {len(self.removed)} removed since the last build"
+        retried = f", {len(self.retried)} retried" if self.retried else ""
+        counts = f"{len(self.added)} added, {len(self.changed)} changed, {len(self.removed)} removed{retried}"
+        return f"{counts} since the last build"
 
 
 @dataclass(frozen=True)
@@ -176,7 +179,7 @@ class Plan:
 
     @property
     def preprocess(self) -> set[str]:
-        return set(self.changes.added) | set(self.changes.changed)
+        return set(self.changes.added) | set(self.changes.changed) | set(self.changes.retried)
 
 
 def compare(
@@ -198,10 +201,10 @@ def compare(
         else:
             changed.append(relpath)
     retried = [relpath for relpath, entry in record.skipped.items() if entry[3] and relpath in current]
-    changed += [relpath for relpath in retried if relpath not in known]
+    again = [relpath for relpath in retried if relpath not in known]
     added = [relpath for relpath in added if relpath not in retried]
     removed = [relpath for relpath in known if relpath not in current]
-    return Changes(sorted(added), sorted(changed), sorted(removed)), unchanged
+    return Changes(sorted(added), sorted(changed), sorted(removed), sorted(again)), unchanged
 
 
 def _same(item: WorkItem, stamp: tuple[int, int], old: str | None, new: str | None, checksum: bool) -> bool:

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from batchctl.errors import FormatError
 from batchctl.read.reader import Dataset
 from batchctl.store import format as fmt, storage
 
@@ -86,10 +87,13 @@ def verify(
     on_batch: Callable[[], None] | None = None,
     storage_options: Mapping[str, Any] | None = None,
 ) -> list[Problem]:
-    """Read every chunk of every array, checking checksums, shapes, counts and unique sources.
+    """Read every chunk of every array as a reader does, checking checksums, shapes, counts and
+    unique sources.
 
-    Returns the problems found (empty when the dataset is sound). A missing shard file would read
-    back as fill values, so shard files are counted too.
+    Returns the problems found (empty when the dataset is sound). Shard files are counted and
+    each shard's index is checked first (a missing shard or chunk would read back as fill values
+    through zarr-python); batches are then read through the reader's own path (`Dataset.read_field`).
+    The work is bounded by the files there, whatever counts the metadata claims.
     """
     ds = Dataset(path, allow_partial=True, storage_options=storage_options)
     present = _stored_keys(ds)
@@ -97,40 +101,118 @@ def verify(
     if not ds.attrs.complete:
         problems.append(Problem(str(path), "not marked complete (its build did not finish)"))
     shard_rows = ds.attrs.layout.shard_rows
-    num_shards = -(-ds.num_samples // shard_rows) if shard_rows else 0
+    if not shard_rows:
+        return [*problems, Problem(str(path), "shard_batches is 0: no layout to check")]
+    num_shards = -(-ds.num_samples // shard_rows)
+    readable = set(range(num_shards)) if num_shards <= MAX_LISTED_SHARDS else None
     for name, arr in ds.arrays.items():
         if arr.shape[0] != ds.num_samples:
             problems.append(Problem(name, f"has {arr.shape[0]} rows, the metadata says {ds.num_samples}"))
         if arr.chunks[0] != ds.batch_size or (arr.shards and arr.shards[0] != shard_rows):
             problems.append(Problem(name, f"chunks {arr.chunks} / shards {arr.shards} break the batch layout"))
         stored = fmt.ArrayMeta.of_zarr(arr)
-        for shard in range(num_shards):
-            if stored.shard_key(shard) not in present:
-                problems.append(Problem(f"{name} shard {shard}", "shard file is missing"))
+        have = {shard for shard in _shards_stored(stored, present) if shard < num_shards}
+        problems += _missing_shards(name, have, num_shards)
+        have = {shard for shard in have if not _index_problems(ds, stored, shard, problems)}
+        readable = have if readable is None else readable & have
     spec = {name: fmt.FieldSpec(tuple(s), d) for name, s, d in _field_specs(ds)}
     seen: set[tuple[str, int]] = set()
-    for index in range(ds.num_batches):
-        shard = index * ds.batch_size // shard_rows if shard_rows else 0
-        start, stop = index * ds.batch_size, min((index + 1) * ds.batch_size, ds.num_samples)
-        batch = {}
-        for name, arr in ds.arrays.items():
-            try:
-                batch[name] = np.asarray(arr[start:stop])
-                if name == fmt.SOURCE:
-                    batch[name] = fmt.decode_sources(batch[name])
-            except Exception as exc:  # noqa: BLE001 - any decode failure is corruption of this chunk
-                problems.append(Problem(f"{name} batch {index} (shard {shard})", f"unreadable: {exc}"))
-                continue
-            if name in spec and batch[name].shape[1:] != spec[name].shape:
-                problems.append(Problem(f"{name} batch {index}", f"rows of shape {batch[name].shape[1:]}"))
-        if fmt.SOURCE in batch and fmt.SOURCE_INDEX in batch:
-            for source, row in zip(batch[fmt.SOURCE], batch[fmt.SOURCE_INDEX], strict=True):
-                key = (str(source), int(row))
-                if key in seen:
-                    problems.append(Problem(f"batch {index}", f"{key[0]} row {key[1]} appears twice"))
-                seen.add(key)
-        if on_batch is not None:
-            on_batch()
+    per_shard = shard_rows // ds.batch_size
+    for shard in sorted(readable or ()):
+        for index in range(shard * per_shard, min((shard + 1) * per_shard, ds.num_batches)):
+            problems += _batch_problems(ds, index, shard, spec, seen)
+            if on_batch is not None:
+                on_batch()
+    return problems
+
+
+MAX_LISTED_SHARDS = 10**6  # beyond this, the shards the metadata claims are not enumerated one by one
+MAX_LISTED = 20  # missing shards named one by one, then a count
+
+
+def _shards_stored(arr: fmt.ArrayMeta, present: set[str]) -> set[int]:
+    """The shard numbers of `arr` whose files (objects) are there."""
+    found = set()
+    for key in present:
+        if key.startswith(f"{arr.name}/"):
+            parts = key[len(arr.name) + 1 :].split(arr.separator)
+            number = parts[1 if arr.key_prefix else 0] if len(parts) > 1 else ""
+            if number.isdigit() and arr.shard_key(int(number)) == key:
+                found.add(int(number))
+    return found
+
+
+def _missing_shards(name: str, have: set[int], num_shards: int) -> list[Problem]:
+    count = num_shards - len(have)
+    if not count:
+        return []
+    named = []
+    for shard in range(num_shards):
+        if shard not in have:
+            named.append(Problem(f"{name} shard {shard}", "shard file is missing"))
+            if len(named) == MAX_LISTED:
+                break
+    if count > len(named):
+        named.append(Problem(name, f"... {count - len(named)} more shard files are missing"))
+    return named
+
+
+def _index_problems(ds: Dataset, arr: fmt.ArrayMeta, shard: int, problems: list[Problem]) -> bool:
+    """Check shard `shard`'s index: there whole, its checksum right, every batch the dataset holds
+    in it present and within the file. Adds what is wrong to `problems`; True when it cannot be read."""
+    where = f"{arr.name} shard {shard}"
+    per_shard = arr.grid[0] // arr.chunks[0]
+    try:
+        entries = read_index(ds, arr, shard, per_shard)
+    except (OSError, FormatError) as exc:
+        problems.append(Problem(where, str(exc)))
+        return True
+    if entries is None:
+        problems.append(Problem(where, "the shard file is too short to hold its index"))
+        return True
+    size, index = entries
+    first = shard * per_shard
+    for position in range(min(per_shard, ds.num_batches - first)):
+        offset, nbytes = (int(v) for v in index[position])
+        if offset == fmt.NO_CHUNK:
+            problems.append(Problem(where, f"batch {first + position} is missing from the shard"))
+        elif offset + nbytes > size:
+            problems.append(Problem(where, f"batch {first + position} lies past the end of the shard file"))
+    return False
+
+
+def read_index(ds: Dataset, arr: fmt.ArrayMeta, shard: int, per_shard: int) -> tuple[int, np.ndarray] | None:
+    """(bytes before the index, the index) of a shard, from one ranged read; None when the file is
+    shorter than its index."""
+    fs, root = storage.locate(ds.path, ds.storage_options)
+    where = f"{root}/{arr.shard_key(shard)}"
+    nbytes = per_shard * 16 + 4
+    size = int(fs.size(where))
+    if size < nbytes:
+        return None
+    raw = bytes(fs.cat_file(where, start=size - nbytes, end=size))
+    return size - nbytes, fmt.parse_shard_index(raw, per_shard)
+
+
+def _batch_problems(
+    ds: Dataset, index: int, shard: int, spec: Mapping[str, fmt.FieldSpec], seen: set[tuple[str, int]]
+) -> list[Problem]:
+    problems = []
+    batch = {}
+    for name in ds.arrays:
+        try:
+            batch[name] = ds.read_field(name, index)
+        except Exception as exc:  # noqa: BLE001 - any decode failure is corruption of this chunk
+            problems.append(Problem(f"{name} batch {index} (shard {shard})", f"unreadable: {exc}"))
+            continue
+        if name in spec and batch[name].shape[1:] != spec[name].shape:
+            problems.append(Problem(f"{name} batch {index}", f"rows of shape {batch[name].shape[1:]}"))
+    if fmt.SOURCE in batch and fmt.SOURCE_INDEX in batch:
+        for source, row in zip(batch[fmt.SOURCE], batch[fmt.SOURCE_INDEX], strict=True):
+            key = (str(source), int(row))
+            if key in seen:
+                problems.append(Problem(f"batch {index}", f"{key[0]} row {key[1]} appears twice"))
+            seen.add(key)
     return problems
 
 

@@ -8,7 +8,7 @@ import os
 import numpy as np
 from PIL import Image, ImageDraw
 
-from batchctl.errors import BatchctlError
+from batchctl.errors import BatchctlError, UsageError
 from batchctl.read.reader import Dataset
 
 TILE = 160
@@ -19,7 +19,7 @@ def preview(path: str | os.PathLike[str], output: str | os.PathLike[str], batch:
     """Write a grid of the first `count` samples of `batch` to `output`; returns how many were drawn."""
     ds = Dataset(path, allow_partial=True)
     if not 0 <= batch < ds.num_batches:
-        raise BatchctlError(f"Expected --batch between 0 and {ds.num_batches - 1}, got {batch} instead.")
+        raise UsageError(f"Expected --batch between 0 and {ds.num_batches - 1}, got {batch} instead.")
     rows = ds[batch]
     count = min(count, len(rows["source"]))
     captions = [_caption(ds, rows, i) for i in range(count)]

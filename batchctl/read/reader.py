@@ -35,8 +35,15 @@ class Dataset:
         self.storage_options = dict(storage_options or {})
         # a local dataset's folder is held open first: what is read next is of this version
         self._root = None if storage.is_url(self.path) else fmt.DatasetRoot(Path(self.path))
-        self.group, self.attrs = fmt.open_group(self.path, allow_partial, self.storage_options)
-        self.arrays = fmt.open_dataset_arrays(self.group, self.attrs, self.path)
+        try:
+            self.group, self.attrs = fmt.open_group(self.path, allow_partial, self.storage_options)
+            self.arrays = fmt.open_dataset_arrays(self.group, self.attrs, self.path)
+            fmt.check_batch_sizes(self.arrays, self.attrs, self.path)
+        except BatchctlError:
+            raise
+        except (ArithmeticError, LookupError, TypeError, ValueError, AttributeError, RecursionError) as exc:
+            # metadata of the wrong types, nested without end, or of impossible sizes: never a traceback
+            raise FormatError(f"{self.path}: the metadata is damaged ({type(exc).__name__}: {exc})") from None
         self.batch_size = self.attrs.batch_size
         self.num_samples = self.attrs.num_samples if self.attrs.complete else self._rows_present()
         self.num_batches = fmt.num_batches(self.num_samples, self.batch_size)

@@ -5,10 +5,22 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import pwd
 import stat
 from pathlib import Path
 
 from batchctl.errors import LockedError, UsageError
+
+
+class LockUnavailable(UsageError):
+    """The lock cannot be created here: OUTPUT's folder is not writable (read-only, or not ours)."""
+
+
+def _user(uid: int) -> str:
+    try:
+        return f"user {pwd.getpwuid(uid).pw_name}"
+    except KeyError:
+        return f"uid {uid}"
 
 
 class BuildLock:
@@ -50,7 +62,9 @@ class BuildLock:
                 raise UsageError(
                     f"the lock {self.path} is a symbolic link; batchctl will not follow it: remove it."
                 ) from None
-            raise UsageError(
+            if exc.errno in (errno.EACCES, errno.EPERM) and os.path.lexists(self.path):
+                self._refuse_others_lock()
+            raise LockUnavailable(
                 f"cannot create the lock {self.path} ({exc.strerror}): OUTPUT's folder must be writable."
             ) from None
         st = os.fstat(fd)
@@ -59,13 +73,36 @@ class BuildLock:
             raise UsageError(f"the lock {self.path} is not a plain file of its own; remove it.")
         return fd
 
+    def _refuse_others_lock(self) -> None:
+        """The lock file is there and not ours to write: say whose build holds it, or that nobody does."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            owner = "another user"
+        else:
+            try:
+                owner = _user(os.fstat(fd).st_uid)
+                holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise LockedError(
+                    f"another build of this output is running (process {holder} of {owner} holds {self.path}); "
+                    "wait for it to finish or stop it."
+                ) from None
+            finally:
+                os.close(fd)
+        raise UsageError(
+            f"the lock {self.path} belongs to {owner} and no build holds it; ask them to remove it, "
+            "or choose another OUTPUT."
+        )
+
     def release(self) -> None:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
 
     def __enter__(self) -> BuildLock:
-        return self.acquire()
+        return self if self.fd is not None else self.acquire()
 
     def __exit__(self, *exc: object) -> None:
         self.release()

@@ -132,6 +132,7 @@ class Workdir(ABC):
 
     def __init__(self, paths: BuildPaths) -> None:
         self.paths = paths
+        self.warnings: list[str] = []  # said to the user: what went wrong but left a right dataset
 
     @abstractmethod
     def check(self) -> None:
@@ -197,6 +198,21 @@ class LocalWorkdir(Workdir):
     def check(self) -> None:
         self._check_private()
         self._check_replaceable()
+        self._check_record()
+
+    def _check_record(self) -> None:
+        """The record beside OUTPUT is replaced at every publish: one that is not this user's (in
+        a shared folder such as /tmp, another user could plant one) would fail that after the work."""
+        record = Path(self.paths.record_url)
+        try:
+            st = os.lstat(record)
+        except FileNotFoundError:
+            return
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            raise UsageError(
+                f"{record} is not a file of yours; batchctl will not trust or replace it: "
+                "remove it, or choose another OUTPUT."
+            )
 
     def _check_private(self) -> None:
         """Refuse a work folder that is not this user's, or that others could write into: its
@@ -219,9 +235,13 @@ class LocalWorkdir(Workdir):
         output = self.paths.output
         if not output.exists():
             return
-        if output.is_dir() and (not any(output.iterdir()) or (output / "zarr.json").is_file()):
-            return
-        raise UsageError(f"OUTPUT {output} exists and is not a batchctl dataset; refusing to replace it.")
+        if not output.is_dir() or not (not any(output.iterdir()) or (output / "zarr.json").is_file()):
+            raise UsageError(f"OUTPUT {output} exists and is not a batchctl dataset; refusing to replace it.")
+        if os.geteuid() != 0 and not _replaceable(output):
+            raise UsageError(
+                f"OUTPUT {output} belongs to another user and cannot be replaced by you (its folder is shared "
+                "or it is not writable); choose another OUTPUT."
+            )
 
     def start(self) -> None:
         self.discard()
@@ -297,8 +317,14 @@ class LocalWorkdir(Workdir):
         _fsync_dir(paths.workdir)
         staged = paths.workdir / STAGED_RECORD
         if staged.exists():
-            os.replace(staged, paths.record_url)
-            _fsync_dir(paths.output.parent)
+            try:
+                os.replace(staged, paths.record_url)
+                _fsync_dir(paths.output.parent)
+            except OSError as exc:  # the dataset is in place: only the next incremental build loses
+                self.warnings.append(
+                    f"the record beside OUTPUT could not be written ({exc.strerror}): the next run after a "
+                    "change builds everything"
+                )
         self.discard()
 
     def recover(self, published_id: str | None) -> str | None:
@@ -524,6 +550,14 @@ def _exchange(a: Path, b: Path) -> bool:
     if ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
         return False
     raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()), str(b))
+
+
+def _replaceable(output: Path) -> bool:
+    """This user may move the folder `output` away: it is writable (its `..` entry changes), and
+    in a sticky folder (such as /tmp) it or the folder is this user's."""
+    parent = os.stat(output.parent)
+    owned = os.stat(output).st_uid == os.geteuid() or parent.st_uid == os.geteuid()
+    return os.access(output, os.W_OK) and (owned or not parent.st_mode & stat.S_ISVTX)
 
 
 def _write_durably(path: Path, data: bytes) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import mmap
 import os
+import stat
 import threading
 from collections.abc import Mapping
 from pathlib import Path
@@ -17,7 +18,7 @@ import numpy as np
 
 from batchctl.errors import DatasetReplacedError, FormatError
 from batchctl.store import storage
-from batchctl.store.codec import NO_CHUNK, own_codecs
+from batchctl.store.codec import NO_CHUNK, own_codecs, parse_shard_index
 from batchctl.store.zarrmeta import ArrayMeta
 
 _SHARD_CACHE = 4
@@ -61,14 +62,25 @@ class DatasetRoot:
             self.fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as exc:
             raise FormatError(f"{path}: cannot open the dataset's folder ({exc.strerror})") from None
+        try:
+            refuse_special_files(path)
+        except BaseException:
+            self.close()
+            raise
 
     def open(self, key: str, what: str) -> io.FileIO:
-        """The file `key` of the opened version; a missing one is damage, or the version is gone."""
+        """The file `key` of the opened version; a missing one is damage, or the version is gone.
+        Opened without blocking and refused unless a regular file: a FIFO would wait for ever."""
         try:
-            fd = os.open(key, os.O_RDONLY | os.O_CLOEXEC, dir_fd=self.fd)
+            fd = os.open(key, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=self.fd)
         except FileNotFoundError:
             self.check_current()
             raise FormatError(f"{self.path}: {what} is missing (no file {key}); `batchctl verify` lists all") from None
+        except OSError as exc:
+            raise FormatError(f"{self.path}: {what} cannot be opened ({exc.strerror})") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise FormatError(f"{self.path}: {what} ({key}) is not a regular file")
         return io.FileIO(fd, "r", closefd=True)
 
     def check_current(self) -> None:
@@ -87,6 +99,29 @@ class DatasetRoot:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def refuse_special_files(root: Path) -> None:
+    """Every entry under a local dataset is a folder or a regular file (links followed), before
+    anything in it is opened: a FIFO in place of a `zarr.json` or a shard would block any reader
+    (zarr-python's included) for ever, and a device could be read without end."""
+    pending = [root]
+    while pending:
+        folder = pending.pop()
+        try:
+            entries = list(os.scandir(folder))
+        except OSError as exc:
+            raise FormatError(f"{folder}: cannot list the dataset's folder ({exc.strerror})") from None
+        for entry in entries:
+            try:
+                mode = entry.stat().st_mode  # follows links: what a reader would open
+            except FileNotFoundError:
+                continue  # a dangling link reads as a missing file, which the readers report
+            if stat.S_ISDIR(mode):
+                if not entry.is_symlink():
+                    pending.append(Path(entry.path))
+            elif not stat.S_ISREG(mode):
+                raise FormatError(f"{entry.path} is not a regular file (a FIFO, socket or device): not a dataset's")
 
 
 class ChunkReader:
@@ -133,10 +168,12 @@ class ChunkReader:
         nbytes = self.per_shard * 16 + 4
         size = os.fstat(file.fileno()).st_size
         raw = os.pread(file.fileno(), nbytes, size - nbytes) if size >= nbytes else b""
-        if len(raw) != nbytes or google_crc32c.value(raw[:-4]) != int.from_bytes(raw[-4:], "little"):
-            raise FormatError(f"shard {shard}: the shard index checksum does not match")
+        try:
+            index = parse_shard_index(raw, self.per_shard)
+        except FormatError:
+            raise FormatError(f"shard {shard}: the shard index checksum does not match") from None
         mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
-        return file, mapped, np.frombuffer(raw[:-4], dtype="<u8").reshape(self.per_shard, 2)
+        return file, mapped, index
 
     def read(self, chunk: int) -> np.ndarray:
         """Chunk `chunk` as an array of the full chunk shape (rows past the end are fill)."""

@@ -126,9 +126,18 @@ def read_shard_index(path: Path, shard_batches: int) -> list[list[int]]:
     with open(path, "rb") as file:
         file.seek(-nbytes, os.SEEK_END)
         raw = file.read(nbytes)
-    if len(raw) != nbytes or google_crc32c.value(raw[:-4]) != int.from_bytes(raw[-4:], "little"):
-        raise FormatError(f"{path}: the shard index checksum does not match")
-    return [[int(offset), int(size)] for offset, size in np.frombuffer(raw[:-4], dtype="<u8").reshape(-1, 2)]
+    try:
+        return parse_shard_index(raw, shard_batches).tolist()  # type: ignore[no-any-return]
+    except FormatError:
+        raise FormatError(f"{path}: the shard index checksum does not match") from None
+
+
+def parse_shard_index(raw: bytes, shard_batches: int) -> np.ndarray:
+    """A shard index's bytes as (offset, nbytes) rows, uint64, an absent chunk's NO_CHUNK;
+    checked against its crc32c first."""
+    if len(raw) != shard_batches * 16 + 4 or google_crc32c.value(raw[:-4]) != int.from_bytes(raw[-4:], "little"):
+        raise FormatError("the shard index checksum does not match")
+    return np.frombuffer(raw[:-4], dtype="<u8").reshape(shard_batches, 2)
 
 
 def _crc32c_bytes(data: Any) -> bytes:

@@ -11,6 +11,7 @@ partial writes from several processes would lose rows (zarr issues #3514, #3682)
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -22,8 +23,10 @@ from batchctl.errors import FormatError, IncompleteDatasetError
 from batchctl.store import storage
 from batchctl.store.chunkread import ChunkReader as ChunkReader, DatasetRoot as DatasetRoot, RowReader as RowReader
 from batchctl.store.codec import (
+    NO_CHUNK as NO_CHUNK,
     ChunkEncoder as ChunkEncoder,
     own_codecs as own_codecs,
+    parse_shard_index as parse_shard_index,
     read_shard_index as read_shard_index,
     shard_index_bytes as shard_index_bytes,
 )
@@ -179,6 +182,27 @@ def open_dataset_arrays(group: zarr.Group, attrs: DatasetAttrs, where: str) -> d
             f"{where}: arrays disagree on the number of rows ({odd}; the dataset has {attrs.num_samples})"
         )
     return arrays
+
+
+def check_batch_sizes(arrays: Mapping[str, zarr.Array[Any]], attrs: DatasetAttrs, where: str) -> None:
+    """Every array is chunked by the dataset's batch size, and one batch of it fits in memory,
+    before a reader allocates one: a damaged `zarr.json` can claim any shape."""
+    limit = _memory_bytes() // 2
+    for name, arr in arrays.items():
+        if int(arr.chunks[0]) != attrs.batch_size:
+            raise FormatError(
+                f"{where}: {name} is chunked by {arr.chunks[0]} rows, not the batch size {attrs.batch_size}"
+            )
+        nbytes = math.prod(int(n) for n in arr.chunks) * np.dtype(arr.dtype).itemsize
+        if nbytes > limit:
+            raise FormatError(
+                f"{where}: one batch of {name} would take {nbytes / 2**30:.1f} GiB, more than half this "
+                "machine's memory (its zarr.json is damaged, or the batches are too big to read here)"
+            )
+
+
+def _memory_bytes() -> int:
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
 def _first_line(exc: BaseException) -> str:

@@ -21,7 +21,7 @@ class Untrusted(FormatError):
     """A journal line, the record or the state is not what batchctl writes."""
 
 
-def _int(value: Any, what: str, low: int = 0, high: int = MAX_COUNT) -> int:
+def whole(value: Any, what: str, low: int = 0, high: int = MAX_COUNT) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
         raise Untrusted(f"{what} is {value!r}, not a whole number from {low} to {high}")
     return value
@@ -33,13 +33,13 @@ def _str(value: Any, what: str) -> str:
     return value
 
 
-def _dict(value: Any, what: str) -> dict[str, Any]:
+def mapping(value: Any, what: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise Untrusted(f"{what} is {type(value).__name__}, not an object")
     return value
 
 
-def _list(value: Any, what: str) -> list[Any]:
+def sequence(value: Any, what: str) -> list[Any]:
     if not isinstance(value, list):
         raise Untrusted(f"{what} is {type(value).__name__}, not a list")
     return value
@@ -48,7 +48,7 @@ def _list(value: Any, what: str) -> list[Any]:
 def check_classes(value: Any, what: str = "classes") -> list[str] | None:
     if value is None:
         return None
-    names = _list(value, what)
+    names = sequence(value, what)
     for name in names:
         _str(name, what)
     return names
@@ -56,18 +56,18 @@ def check_classes(value: Any, what: str = "classes") -> list[str] | None:
 
 def check_files(value: Any, rows: int) -> list[list[Any]]:
     """A batch's `files`: runs `[source, rows, finished, size, mtime_ns, first]` adding up to `rows`."""
-    entries = _list(value, "files")
+    entries = sequence(value, "files")
     total = 0
     for entry in entries:
         if not isinstance(entry, list) or len(entry) != 6:
             raise Untrusted(f"a file entry is {entry!r}, not [source, rows, finished, size, mtime_ns, first]")
         _str(entry[0], "a file's source")
-        total += _int(entry[1], "a file's rows", 1)
+        total += whole(entry[1], "a file's rows", 1)
         if not isinstance(entry[2], bool):
             raise Untrusted(f"a file's finished flag is {entry[2]!r}")
-        _int(entry[3], "a file's size")
-        _int(entry[4], "a file's mtime_ns", -MAX_COUNT)
-        _int(entry[5], "a file's first sample")
+        whole(entry[3], "a file's size")
+        whole(entry[4], "a file's mtime_ns", -MAX_COUNT)
+        whole(entry[5], "a file's first sample")
     if total != rows:
         raise Untrusted(f"its files hold {total} rows, not the batch's {rows}")
     return entries
@@ -75,31 +75,31 @@ def check_files(value: Any, rows: int) -> list[list[Any]]:
 
 def check_batch(line: Any, batch_size: int, chunks: bool) -> dict[str, Any]:
     """A batch line `{"batch", "shard", "rows", "files"}` (with `chunks`: `{array: [offset, nbytes]}`)."""
-    batch = _dict(line, "the line")
-    _int(batch.get("batch"), "batch")
-    _int(batch.get("shard"), "shard")
-    rows = _int(batch.get("rows"), "rows", 1, batch_size)
+    batch = mapping(line, "the line")
+    whole(batch.get("batch"), "batch")
+    whole(batch.get("shard"), "shard")
+    rows = whole(batch.get("rows"), "rows", 1, batch_size)
     check_files(batch.get("files"), rows)
     if chunks:
-        for name, place in _dict(batch.get("chunks"), "chunks").items():
+        for name, place in mapping(batch.get("chunks"), "chunks").items():
             if not isinstance(place, list) or len(place) != 2:
                 raise Untrusted(f"the place of chunk {name!r} is {place!r}, not [offset, nbytes]")
-            _int(place[0], "a chunk's offset")
-            _int(place[1], "a chunk's size")
+            whole(place[0], "a chunk's offset")
+            whole(place[1], "a chunk's size")
     return batch
 
 
 def check_journal_line(line: Any, batch_size: int) -> dict[str, Any]:
     """Any line of a journal: a batch written, a shard finished, or a Dask group finished."""
-    entry = _dict(line, "the line")
+    entry = mapping(line, "the line")
     if "shard_done" in entry:
-        _int(entry["shard_done"], "shard_done")
+        whole(entry["shard_done"], "shard_done")
         return entry
     if "group" in entry:
-        _int(entry["group"], "group", -1)
+        whole(entry["group"], "group", -1)
         if not isinstance(entry.get("full"), bool):
             raise Untrusted(f"full is {entry.get('full')!r}")
-        rows = _int(entry.get("rows"), "rows")
+        rows = whole(entry.get("rows"), "rows")
         check_files(entry.get("files"), rows)
         return entry
     return check_batch(entry, batch_size, chunks=True)
@@ -128,24 +128,24 @@ def check_sequence(batches: Sequence[Mapping[str, Any]], batch_size: int, shard_
 
 def check_record_header(header: Any) -> dict[str, Any]:
     """The record's first line (docs/format.md, "The record")."""
-    head = _dict(header, "the header")
+    head = mapping(header, "the header")
     _str(head.get("build_id"), "build_id")
-    _dict(head.get("spec"), "spec")
+    mapping(head.get("spec"), "spec")
     _str(head.get("source"), "source")
     check_classes(head.get("classes"))
-    _int(head.get("batch_size"), "batch_size", 1)
-    _int(head.get("shard_batches"), "shard_batches", 1)
-    _int(head.get("source_width"), "source_width", 1)
+    whole(head.get("batch_size"), "batch_size", 1)
+    whole(head.get("shard_batches"), "shard_batches", 1)
+    whole(head.get("source_width"), "source_width", 1)
     if not isinstance(head.get("checksum"), bool):
         raise Untrusted(f"checksum is {head.get('checksum')!r}")
-    for relpath, entry in _dict(head.get("skipped"), "skipped").items():
+    for relpath, entry in mapping(head.get("skipped"), "skipped").items():
         if not isinstance(entry, list) or len(entry) != 4:
             raise Untrusted(f"the skipped entry of {relpath!r} is {entry!r}, not [size, mtime_ns, reason, retry]")
-        _int(entry[0], "a skipped file's size")
-        _int(entry[1], "a skipped file's mtime_ns", -MAX_COUNT)
+        whole(entry[0], "a skipped file's size")
+        whole(entry[1], "a skipped file's mtime_ns", -MAX_COUNT)
         if not isinstance(entry[2], str) or not isinstance(entry[3], bool):
             raise Untrusted(f"the skipped entry of {relpath!r} is {entry!r}")
-    for relpath, digest in _dict(head.get("digests"), "digests").items():
+    for relpath, digest in mapping(head.get("digests"), "digests").items():
         _str(digest, f"the digest of {relpath!r}")
     return head
 
@@ -153,18 +153,18 @@ def check_record_header(header: Any) -> dict[str, Any]:
 def check_state(state: Any) -> dict[str, Any]:
     """`state.json`: the options and SOURCE an interrupted build started with (and, for an
     incremental one, the last build it builds on)."""
-    found = _dict(state, "the state")
-    _dict(found.get("spec"), "spec")
+    found = mapping(state, "the state")
+    mapping(found.get("spec"), "spec")
     _str(found.get("source"), "source")
     check_classes(found.get("classes"))
     if found.get("engine", "local") not in ENGINES:
         raise Untrusted(f"engine is {found.get('engine')!r}")
     if "incremental" in found:
-        seeded = _dict(found["incremental"], "incremental")
+        seeded = mapping(found["incremental"], "incremental")
         _str(seeded.get("build_id"), "incremental build_id")
         _str(seeded.get("carry_from"), "carry_from")
-        _int(seeded.get("kept_shards"), "kept_shards")
-        _int(seeded.get("kept_samples"), "kept_samples")
+        whole(seeded.get("kept_shards"), "kept_shards")
+        whole(seeded.get("kept_samples"), "kept_samples")
         if not isinstance(seeded.get("record_sha256", ""), str):
             raise Untrusted(f"record_sha256 is {seeded.get('record_sha256')!r}")
     return found

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from batchctl.errors import FormatError
-from batchctl.store import storage
+from batchctl.store import journal, storage
 from batchctl.store.zarrmeta import DatasetFiles
 
 FORMAT_VERSION = 2  # 2: `source` as UTF-8 bytes in a uint8 array (core Zarr v3 types only)
@@ -117,9 +117,45 @@ class DatasetAttrs:
             raise FormatError(f"Expected batchctl format_version {FORMAT_VERSION}, got {version!r} instead.")
         known = {f for f in cls.__dataclass_fields__}
         try:
-            return cls(**{k: v for k, v in raw.items() if k in known})
+            attrs = cls(**{k: v for k, v in raw.items() if k in known})
         except TypeError as exc:
             raise FormatError(f"batchctl attributes are incomplete: {exc}") from exc
+        try:
+            attrs.check()
+        except FormatError as exc:
+            raise FormatError(f"batchctl attributes are damaged: {exc}") from None
+        return attrs
+
+    def check(self) -> None:
+        """Every attribute of the type and range batchctl writes (a reader sizes things by them)."""
+        journal.whole(self.batch_size, "batch_size", 1)
+        for name in ("shard_batches", "num_samples", "num_batches", "num_shards", "errors", "ignored"):
+            journal.whole(getattr(self, name), name)
+        for name in (
+            "compression",
+            "batchctl_version",
+            "created",
+            "source",
+            "fingerprint",
+            "build_id",
+            "record_sha256",
+        ):
+            if not isinstance(getattr(self, name), str):
+                raise FormatError(f"{name} is {getattr(self, name)!r}, not a string")
+        if not isinstance(self.complete, bool) or not isinstance(self.preprocess, dict):
+            raise FormatError("complete or preprocess is of the wrong type")
+        journal.check_classes(self.classes)
+        for name, spec in journal.mapping(self.fields, "fields").items():
+            shape = journal.mapping(spec, f"field {name!r}").get("shape")
+            for n in journal.sequence(shape, f"the shape of {name!r}"):
+                journal.whole(n, f"a dimension of {name!r}")
+            if not isinstance(spec.get("dtype"), str):
+                raise FormatError(f"the dtype of {name!r} is {spec.get('dtype')!r}")
+        for entry in journal.sequence(self.skipped, "skipped"):
+            if not isinstance(entry, list) or len(entry) != 2 or not all(isinstance(v, str) for v in entry):
+                raise FormatError(f"a skipped entry is {entry!r}, not [source, reason]")
+        if self.complete and self.num_batches != num_batches(self.num_samples, self.batch_size):
+            raise FormatError(f"num_batches {self.num_batches} does not fit {self.num_samples} samples")
 
     @property
     def layout(self) -> Layout:

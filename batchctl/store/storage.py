@@ -8,7 +8,9 @@ packages' usual environment (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ...) or `stora
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
+import inspect
 import json
 import os
 import tempfile
@@ -45,21 +47,77 @@ def default_output(source: str | os.PathLike[str]) -> str:
     return where + ".zarr"
 
 
+IO_TIMEOUT_S = 300.0  # one store call (a 128 MiB shard's PUT included) gives up after this long
+S3_TIMEOUTS = {"connect_timeout": 10, "read_timeout": 60}  # botocore's defaults are 60 and 60, retried
+
+
 def filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> Any:
-    """The fsspec filesystem of `url` (one instance per URL scheme and options)."""
+    """The fsspec filesystem of `url` (one instance per URL scheme and options). Each of its
+    calls gives up after `io_timeout` seconds (a storage option of batchctl's own, default
+    IO_TIMEOUT_S) with a `StoreError` naming the store, the call and the path."""
     return _filesystem(url.split("://", 1)[0], json.dumps(dict(storage_options or {}), sort_keys=True))
+
+
+def fsspec_options(protocol: str, storage_options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The options fsspec gets for a store: batchctl's `io_timeout` left out, and S3's connect
+    and read timeouts bounded unless given (a frozen server otherwise holds a call for minutes)."""
+    kwargs = {key: value for key, value in (storage_options or {}).items() if key != "io_timeout"}
+    if protocol in ("s3", "s3a"):
+        kwargs["config_kwargs"] = {**S3_TIMEOUTS, **dict(kwargs.get("config_kwargs") or {})}
+    return kwargs
+
+
+class StoreError(OSError):
+    """A call to an object store failed or timed out (`strerror` names the store, the call and the path)."""
+
+
+class TimedFilesystem:
+    """An fsspec filesystem whose blocking calls end after `timeout` seconds (async filesystems:
+    fsspec's own `timeout`, which cancels the request) and whose failures are one `StoreError`
+    line; a missing object is still a `FileNotFoundError`, which callers test for."""
+
+    def __init__(self, fs: Any, protocol: str, timeout: float) -> None:
+        self._fs, self._protocol, self._timeout = fs, protocol, timeout
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # ours are set in __init__ (not yet while unpickling); the store's stay its own
+            raise AttributeError(name)
+        attr = getattr(self._fs, name)
+        if not callable(attr):
+            return attr
+        timed = inspect.iscoroutinefunction(getattr(self._fs, f"_{name}", None))
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return attr(*args, **({"timeout": self._timeout, **kwargs} if timed else kwargs))
+            except (FileNotFoundError, StoreError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - each store's client raises its own kinds
+                path = args[0] if args and isinstance(args[0], str) else ""
+                what = f"no answer in {self._timeout:g} s" if type(exc).__name__ == "FSTimeoutError" else _text(exc)
+                raise StoreError(errno.EIO, f"{self._protocol}://{path} ({name}): {what}") from None
+
+        return call
+
+
+def _text(exc: BaseException) -> str:
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
 @functools.cache
 def _filesystem(protocol: str, options: str) -> Any:
     import fsspec
 
-    kwargs = json.loads(options)
+    given = json.loads(options)
+    kwargs = fsspec_options(protocol, given)
     # No listing cache: other processes (the collator, Dask workers, a rebuild) add and remove
     # objects, and a cached listing would hide them (a reader would call a new shard missing).
     kwargs.setdefault("use_listings_cache", False)
     try:
-        return fsspec.filesystem(protocol, **kwargs)
+        return TimedFilesystem(
+            fsspec.filesystem(protocol, **kwargs), protocol, float(given.get("io_timeout", IO_TIMEOUT_S))
+        )
     except ImportError as exc:
         extra = {"s3": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure"}.get(protocol, protocol)
         raise UsageError(
@@ -96,7 +154,9 @@ def parent_and_name(url: str) -> tuple[str, str]:
 def zarr_options(location: str, storage_options: Mapping[str, Any] | None) -> dict[str, Any]:
     """Keyword arguments for zarr.open_group: storage options only for URLs (zarr refuses them
     for local paths)."""
-    return {"storage_options": dict(storage_options or {})} if is_url(location) else {}
+    if not is_url(location):
+        return {}
+    return {"storage_options": fsspec_options(str(location).split("://", 1)[0], storage_options)}
 
 
 def tree_bytes(location: str, storage_options: Mapping[str, Any] | None = None) -> int:
