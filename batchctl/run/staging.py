@@ -237,7 +237,7 @@ class LocalWorkdir(Workdir):
             return
         if not output.is_dir() or not (not any(output.iterdir()) or (output / "zarr.json").is_file()):
             raise UsageError(f"OUTPUT {output} exists and is not a batchctl dataset; refusing to replace it.")
-        if os.geteuid() != 0 and not _replaceable(output):
+        if not _replaceable(output):
             raise UsageError(
                 f"OUTPUT {output} belongs to another user and cannot be replaced by you (its folder is shared "
                 "or it is not writable); choose another OUTPUT."
@@ -556,8 +556,20 @@ def _replaceable(output: Path) -> bool:
     """This user may move the folder `output` away: it is writable (its `..` entry changes), and
     in a sticky folder (such as /tmp) it or the folder is this user's."""
     parent = os.stat(output.parent)
-    owned = os.stat(output).st_uid == os.geteuid() or parent.st_uid == os.geteuid()
+    owned = os.stat(output).st_uid == os.geteuid() or parent.st_uid == os.geteuid() or _has_capability(CAP_FOWNER)
     return os.access(output, os.W_OK) and (owned or not parent.st_mode & stat.S_ISVTX)
+
+
+CAP_FOWNER = 3  # lets root (and whoever holds it) move other users' files out of a sticky folder
+
+
+def _has_capability(bit: int) -> bool:
+    try:
+        status = Path("/proc/self/status").read_text(encoding="ascii")
+    except OSError:
+        return os.geteuid() == 0
+    effective = next((line.split()[1] for line in status.splitlines() if line.startswith("CapEff:")), "0")
+    return bool(int(effective, 16) >> bit & 1)
 
 
 def _write_durably(path: Path, data: bytes) -> None:

@@ -156,6 +156,8 @@ class DatasetAttrs:
                 raise FormatError(f"a skipped entry is {entry!r}, not [source, reason]")
         if self.complete and self.num_batches != num_batches(self.num_samples, self.batch_size):
             raise FormatError(f"num_batches {self.num_batches} does not fit {self.num_samples} samples")
+        if self.complete and self.num_shards != num_batches(self.num_batches, max(self.shard_batches, 1)):
+            raise FormatError(f"num_shards {self.num_shards} does not fit {self.num_batches} batches")
 
     @property
     def layout(self) -> Layout:
