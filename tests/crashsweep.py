@@ -154,7 +154,7 @@ def prepare(space: Workspace, scenario: str) -> None:
     if scenario in ("fresh", "resume"):
         shutil.rmtree(space.out)
         (space.root / ".out.zarr.batchctl.record").unlink()
-    if scenario == "resume":  # of a fresh build: its parent makes no fsync, its collator one per shard file and journal write
+    if scenario == "resume":  # of a fresh build, whose parent makes no fsync: the collator's are its own
         kill_collator = ["strace", "-f", "-qq", "-o", os.devnull, "-e", "trace=fsync"]
         stopped = space.run_build(*kill_collator, "-e", "inject=fsync:signal=SIGKILL:when=12")
         if stopped.returncode != 1 or "rerun" not in stopped.stderr:
