@@ -227,6 +227,7 @@ class _Builder:
         fingerprint = self._fingerprint(discovery)
         if not self.options.force and self._up_to_date(fingerprint):
             return self._end("up_to_date")
+        self.work.check_replaceable()
         if self.options.engine == "local":
             refuse_main_children_cannot_run()
             start_forkserver()  # there is work (the CLI started it already): its preloads run alongside our planning

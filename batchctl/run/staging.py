@@ -138,6 +138,10 @@ class Workdir(ABC):
     def check(self) -> None:
         """Refuse, before anything is read or written, what a build must not trust or replace."""
 
+    def check_replaceable(self) -> None:
+        """Refuse, before any work, a dataset at OUTPUT (or a record beside it) this user could not
+        replace at the end (a rerun that finds it up to date replaces nothing and is not refused)."""
+
     @abstractmethod
     def start(self) -> None:
         """An empty work folder, whatever was there."""
@@ -198,7 +202,6 @@ class LocalWorkdir(Workdir):
     def check(self) -> None:
         self._check_private()
         self._check_replaceable()
-        self._check_record()
 
     def _check_record(self) -> None:
         """The record beside OUTPUT is replaced at every publish: one that is not this user's (in
@@ -237,11 +240,15 @@ class LocalWorkdir(Workdir):
             return
         if not output.is_dir() or not (not any(output.iterdir()) or (output / "zarr.json").is_file()):
             raise UsageError(f"OUTPUT {output} exists and is not a batchctl dataset; refusing to replace it.")
-        if not _replaceable(output):
+
+    def check_replaceable(self) -> None:
+        output = self.paths.output
+        if output.is_dir() and not _replaceable(output):
             raise UsageError(
                 f"OUTPUT {output} belongs to another user and cannot be replaced by you (its folder is shared "
                 "or it is not writable); choose another OUTPUT."
             )
+        self._check_record()
 
     def start(self) -> None:
         self.discard()
