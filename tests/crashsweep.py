@@ -29,13 +29,13 @@ from batchctl.errors import BatchctlError
 from batchctl.read.inspect import verify
 from tests.conftest import BATCHCTL, ROOT
 
-CALL_SETS = {
-    "rename": "rename,renameat,renameat2",
-    "unlink": "unlink,unlinkat,rmdir",
-    "link": "link,linkat,symlink,symlinkat",
-    "truncate": "truncate,ftruncate",
-    "fsync": "fsync,fdatasync",
-    "mkdir": "mkdir,mkdirat",
+CALL_SETS = {  # strace counts each system call apart (`when=N` is the N-th call of that one): swept one by one
+    "rename": ("rename", "renameat", "renameat2"),
+    "unlink": ("unlink", "unlinkat", "rmdir"),
+    "link": ("link", "linkat", "symlink", "symlinkat"),
+    "truncate": ("truncate", "ftruncate"),
+    "fsync": ("fsync", "fdatasync"),
+    "mkdir": ("mkdir", "mkdirat"),
 }
 OPTIONS = ["--preprocess", "npy", "--batch-size", "2", "--shard-batches", "2", "--workers", "1", "-q"]
 
@@ -50,7 +50,7 @@ class Outcome:
 
     def line(self) -> str:
         state = "killed" if self.killed else "not reached"
-        return f"{self.scenario:11} {self.calls:8} #{self.when:<3} {state:11} " + (
+        return f"{self.scenario:11} {self.calls:9} #{self.when:<3} {state:11} " + (
             "ok" if not self.problems else "; ".join(self.problems)
         )
 
@@ -162,10 +162,11 @@ def prepare(space: Workspace, scenario: str) -> None:
 
 
 def trial(space: Workspace, calls: str, when: int, scenario: str = "incremental") -> Outcome:
-    """One kill at the `when`-th call of `calls` of a build (see `prepare`), and what follows."""
+    """One kill at the `when`-th call of the system call `calls` of a build (see `prepare`), and
+    what follows."""
     outcome = Outcome(calls, when, scenario)
     prepare(space, scenario)
-    inject = CALL_SETS[calls]
+    inject = calls
     strace = [
         "strace",
         "-qq",
@@ -196,10 +197,26 @@ def trial(space: Workspace, calls: str, when: int, scenario: str = "incremental"
     return outcome
 
 
+def count_calls(space: Workspace, calls: tuple[str, ...], scenario: str = "incremental") -> dict[str, int]:
+    """How many of each system call the build's process makes in `scenario` (strace -c)."""
+    prepare(space, scenario)
+    log = space.root / "count.txt"
+    result = space.run_build("strace", "-qq", "-c", "-o", str(log), "-e", f"trace={','.join(calls)}")
+    if result.returncode != 0:
+        raise AssertionError(result.stderr)
+    counted = {}
+    for line in log.read_text().splitlines():
+        fields = line.split()
+        if fields and fields[-1] in calls:
+            counted[fields[-1]] = int(fields[3])
+    return counted
+
+
 def sweep(
     space: Workspace, calls: str, whens: list[int] | None = None, scenario: str = "incremental", limit: int = 400
 ) -> list[Outcome]:
-    """Trials at the calls `whens` (default: 1, 2, ... until a run makes fewer such calls)."""
+    """Trials at the `whens`-th calls of the system call `calls` (default: 1, 2, ... until a
+    run makes fewer of them)."""
     outcomes = []
     for when in whens or range(1, limit + 1):
         outcome = trial(space, calls, when, scenario)
@@ -221,7 +238,8 @@ def main() -> None:
     space.create()
     started, bad, total = time.monotonic(), 0, 0
     for scenario in args.scenarios:
-        for calls in args.calls:
+        made = count_calls(space, tuple(name for group in args.calls for name in CALL_SETS[group]), scenario)
+        for calls in sorted(made):
             for outcome in sweep(space, calls, scenario=scenario):
                 print(outcome.line(), flush=True)
                 total += outcome.killed

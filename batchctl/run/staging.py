@@ -140,7 +140,9 @@ class Workdir(ABC):
 
     def check_replaceable(self) -> None:
         """Refuse, before any work, a dataset at OUTPUT (or a record beside it) this user could not
-        replace at the end (a rerun that finds it up to date replaces nothing and is not refused)."""
+        replace at the end (a rerun that finds it up to date replaces nothing and is not refused).
+        An object store's permissions are its own: a write it refuses fails in one line."""
+        return
 
     @abstractmethod
     def start(self) -> None:
@@ -315,10 +317,11 @@ class LocalWorkdir(Workdir):
                 os.rename(paths.staging, paths.output)
             _fsync_dir(paths.output.parent)
             self._finish_publish()
+        self.discard()  # the old dataset: its deletion may be interrupted freely
 
     def _finish_publish(self) -> None:
         """After the dataset is at OUTPUT: the state goes first (nothing left to resume), then the
-        record moves beside OUTPUT, then the work folder (the old dataset) is deleted."""
+        record moves beside OUTPUT; the caller then deletes the work folder (the old dataset)."""
         paths = self.paths
         paths.state.unlink(missing_ok=True)
         _fsync_dir(paths.workdir)
@@ -332,7 +335,6 @@ class LocalWorkdir(Workdir):
                     f"the record beside OUTPUT could not be written ({exc.strerror}): the next run after a "
                     "change builds everything"
                 )
-        self.discard()
 
     def recover(self, published_id: str | None) -> str | None:
         paths = self.paths
@@ -346,15 +348,20 @@ class LocalWorkdir(Workdir):
         with signals_ignored():
             if publishing and publishing == published_id:
                 self._finish_publish()
-                return "finished publishing the last build, which was stopped just after its dataset was in place"
-            replaced = paths.workdir / REPLACED
-            if not paths.output.exists() and replaced.is_dir():  # stopped between the two renames
-                os.rename(replaced, paths.output)
-                _fsync_dir(paths.output.parent)
-            (paths.workdir / STAGED_RECORD).unlink(missing_ok=True)
-            marker.unlink()
-            _fsync_dir(paths.workdir)
-        return None
+                finished = True
+            else:
+                finished = False
+                replaced = paths.workdir / REPLACED
+                if not paths.output.exists() and replaced.is_dir():  # stopped between the two renames
+                    os.rename(replaced, paths.output)
+                    _fsync_dir(paths.output.parent)
+                (paths.workdir / STAGED_RECORD).unlink(missing_ok=True)
+                marker.unlink()
+                _fsync_dir(paths.workdir)
+        if not finished:
+            return None
+        self.discard()
+        return "finished publishing the last build, which was stopped just after its dataset was in place"
 
 
 class RemoteWorkdir(Workdir):
@@ -441,6 +448,7 @@ class RemoteWorkdir(Workdir):
             self.fs.pipe_file(self._work_key(PUBLISHING), build_id.encode())
             mark_complete()
             self._finish_publish()
+        self.discard()
 
     def _finish_publish(self) -> None:
         if self.fs.exists(self._state_key()):
@@ -448,7 +456,6 @@ class RemoteWorkdir(Workdir):
         staged = self._work_key(STAGED_RECORD)
         if self.fs.exists(staged):
             self.fs.pipe_file(storage.fs_path(self.paths.record_url), self.fs.cat_file(staged))
-        self.discard()
 
     def recover(self, published_id: str | None) -> str | None:
         marker = self._work_key(PUBLISHING)
@@ -457,13 +464,16 @@ class RemoteWorkdir(Workdir):
         except FileNotFoundError:
             return None
         with signals_ignored():
-            if publishing and publishing == published_id:
+            finished = publishing == published_id
+            if finished:
                 self._finish_publish()
-                return "finished publishing the last build, which was stopped just after its dataset was complete"
             for key in (marker, self._work_key(STAGED_RECORD)):
-                if self.fs.exists(key):
+                if not finished and self.fs.exists(key):
                     self.fs.rm(key)
-        return None
+        if not finished:
+            return None
+        self.discard()
+        return "finished publishing the last build, which was stopped just after its dataset was complete"
 
     def _work_key(self, name: str) -> str:
         return storage.fs_path(f"{self.paths.workdir_url}/{name}")
