@@ -3,7 +3,8 @@
 A resumed or incremental build decides from these files what to keep, what to skip and which
 rows to copy; a damaged or tampered one must never become a wrong dataset. Every line is checked
 here, field by field (types, ranges, and the counts that tie lines together), before a build uses
-it; `Untrusted` says which line and why, and the caller names the file and what to do.
+it; `Untrusted` says which line and why, and the caller names the file and what to do. The
+dataset's own attributes are checked with the same helpers (`metadata.DatasetAttrs.check`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ ENGINES = ("local", "dask")
 
 
 class Untrusted(FormatError):
-    """A journal line, the record or the state is not what batchctl writes."""
+    """A journal line, the record, the state or a dataset's attributes are not what batchctl writes."""
 
 
 def whole(value: Any, what: str, low: int = 0, high: int = MAX_COUNT) -> int:
