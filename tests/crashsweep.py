@@ -161,14 +161,16 @@ def prepare(space: Workspace, scenario: str) -> None:
             raise AssertionError(f"the collator was not stopped: {stopped.returncode} {stopped.stderr}")
 
 
-def trial(space: Workspace, calls: str, when: int, scenario: str = "incremental") -> Outcome:
+def trial(space: Workspace, calls: str, when: int, scenario: str = "incremental", follow: bool = False) -> Outcome:
     """One kill at the `when`-th call of the system call `calls` of a build (see `prepare`), and
-    what follows."""
+    what follows. `follow`: of any of its processes (the collator's journal and shard writes
+    too): the first to make its `when`-th such call is killed."""
     outcome = Outcome(calls, when, scenario)
     prepare(space, scenario)
     inject = calls
     strace = [
         "strace",
+        *(["-f"] if follow else []),
         "-qq",
         "-o",
         os.devnull,
@@ -178,7 +180,11 @@ def trial(space: Workspace, calls: str, when: int, scenario: str = "incremental"
         f"inject={inject}:signal=SIGKILL:when={when}",
     ]
     killed = space.run_build(*strace)
-    outcome.killed = killed.returncode == -9
+    # the parent killed: -9; a child killed: the parent fails in one line (exit 1), naming the rerun
+    outcome.killed = killed.returncode == -9 or (follow and killed.returncode != 0)
+    if follow and killed.returncode not in (-9, 0) and ("Traceback" in killed.stderr or killed.returncode != 1):
+        outcome.problems.append(f"the killed run exit {killed.returncode}: {killed.stderr.strip()[-300:]}")
+        return outcome
     runs = [("the killed run", killed)] if not outcome.killed else []
     runs += [("rerun 1", space.run_build()), ("rerun 2", space.run_build())]
     for name, result in runs:
@@ -213,13 +219,18 @@ def count_calls(space: Workspace, calls: tuple[str, ...], scenario: str = "incre
 
 
 def sweep(
-    space: Workspace, calls: str, whens: list[int] | None = None, scenario: str = "incremental", limit: int = 400
+    space: Workspace,
+    calls: str,
+    whens: list[int] | None = None,
+    scenario: str = "incremental",
+    limit: int = 400,
+    follow: bool = False,
 ) -> list[Outcome]:
     """Trials at the `whens`-th calls of the system call `calls` (default: 1, 2, ... until a
     run makes fewer of them)."""
     outcomes = []
     for when in whens or range(1, limit + 1):
-        outcome = trial(space, calls, when, scenario)
+        outcome = trial(space, calls, when, scenario, follow)
         outcomes.append(outcome)
         if not outcome.killed and whens is None:
             break
@@ -230,6 +241,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", nargs="*", default=list(CALL_SETS), choices=list(CALL_SETS))
     parser.add_argument("--scenarios", nargs="*", default=list(SCENARIOS), choices=list(SCENARIOS))
+    parser.add_argument("--follow", action="store_true", help="kill whichever of the build's processes gets there")
     parser.add_argument("--dir", type=Path, default=None, help="a scratch folder (default: a new temporary one)")
     args = parser.parse_args()
     root = args.dir or Path(os.environ.get("TMPDIR", "/tmp")) / f"crashsweep-{os.getpid()}"
@@ -240,7 +252,7 @@ def main() -> None:
     for scenario in args.scenarios:
         made = count_calls(space, tuple(name for group in args.calls for name in CALL_SETS[group]), scenario)
         for calls in sorted(made):
-            for outcome in sweep(space, calls, scenario=scenario):
+            for outcome in sweep(space, calls, scenario=scenario, follow=args.follow):
                 print(outcome.line(), flush=True)
                 total += outcome.killed
                 bad += bool(outcome.problems)
