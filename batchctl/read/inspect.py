@@ -163,7 +163,7 @@ def _index_problems(ds: Dataset, arr: fmt.ArrayMeta, shard: int, problems: list[
     where = f"{arr.name} shard {shard}"
     per_shard = arr.grid[0] // arr.chunks[0]
     try:
-        entries = read_index(ds, arr, shard, per_shard)
+        entries = _read_index(ds, arr, shard, per_shard)
     except (OSError, FormatError) as exc:
         problems.append(Problem(where, str(exc)))
         return True
@@ -181,7 +181,7 @@ def _index_problems(ds: Dataset, arr: fmt.ArrayMeta, shard: int, problems: list[
     return False
 
 
-def read_index(ds: Dataset, arr: fmt.ArrayMeta, shard: int, per_shard: int) -> tuple[int, np.ndarray] | None:
+def _read_index(ds: Dataset, arr: fmt.ArrayMeta, shard: int, per_shard: int) -> tuple[int, np.ndarray] | None:
     """(bytes before the index, the index) of a shard, from one ranged read; None when the file is
     shorter than its index."""
     fs, root = storage.locate(ds.path, ds.storage_options)

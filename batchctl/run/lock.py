@@ -13,7 +13,8 @@ from batchctl.errors import LockedError, UsageError
 
 
 class LockUnavailable(UsageError):
-    """The lock cannot be created here: OUTPUT's folder is not writable (read-only, or not ours)."""
+    """The lock cannot be taken here: OUTPUT's folder is not writable (read-only, or not ours), or
+    another user's lock file is there (an up-to-date rerun, which replaces nothing, needs none)."""
 
 
 def _user(uid: int) -> str:
@@ -91,7 +92,7 @@ class BuildLock:
                 ) from None
             finally:
                 os.close(fd)
-        raise UsageError(
+        raise LockUnavailable(
             f"the lock {self.path} belongs to {owner} and no build holds it; ask them to remove it, "
             "or choose another OUTPUT."
         )
