@@ -188,7 +188,6 @@ class _Builder:
         self.digests: dict[str, str] = {}  # --checksum: each input's content hash
         self.carry: Carry | None = None  # an incremental build's rows carried over from the last one
         self.kept_groups: list[dict[str, Any]] = []  # --engine dask: groups an interrupted run finished
-        self.record_sha256 = ""  # an incremental build: the hash of the last build's record
 
     def run(self) -> BuildReport:
         if storage.is_url(self.output):
@@ -427,7 +426,6 @@ class _Builder:
         if record is None:
             self.progress.info("building everything: no record of which file each row of OUTPUT came from")
             return None
-        self.record_sha256 = attrs.record_sha256
         why = _differences({**record.spec, "source": record.source}, {**self.spec, "source": str(self.source)})
         if record.classes != discovery.classes:
             why.append("the class folders changed")
@@ -491,7 +489,7 @@ class _Builder:
             discovery,
             incremental={
                 "build_id": record.build_id,
-                "record_sha256": self.record_sha256,
+                "record_sha256": record.sha256,
                 "carry_from": carry_from,
                 "kept_shards": len(plan.done_shards),
                 "kept_samples": plan.kept_samples,

@@ -50,6 +50,7 @@ class Record:
     batches: list[dict[str, Any]]  # journal lines ({"batch", "shard", "rows", "files"}, ...), in order
     skipped: dict[str, list[Any]] = field(default_factory=dict)  # relpath -> [size, mtime_ns, reason, retry]
     digests: dict[str, str] = field(default_factory=dict)  # relpath -> content hash (--checksum)
+    sha256: str = ""  # of the record's bytes as read (a resumed incremental build checks it again)
 
     @property
     def shard_rows(self) -> int:
@@ -96,7 +97,8 @@ def read_record(where: str, storage_options: Mapping[str, Any], build_id: str, s
         return None
     except OSError as exc:
         raise Untrusted(f"it cannot be read ({exc.strerror or exc})") from None
-    if sha256 and hashlib.sha256(raw).hexdigest() != sha256:
+    digest = hashlib.sha256(raw).hexdigest()
+    if sha256 and digest != sha256:
         raise Untrusted("its contents are not those the dataset was published with")
     try:
         lines = [json.loads(text) for text in raw.decode().splitlines() if text]
@@ -124,6 +126,7 @@ def read_record(where: str, storage_options: Mapping[str, Any], build_id: str, s
         batches=batches,
         skipped=header["skipped"],
         digests=header["digests"],
+        sha256=digest,
     )
 
 

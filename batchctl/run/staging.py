@@ -240,8 +240,9 @@ class LocalWorkdir(Workdir):
         output = self.paths.output
         if not output.exists():
             return
-        if not output.is_dir() or not (not any(output.iterdir()) or (output / "zarr.json").is_file()):
-            raise UsageError(f"OUTPUT {output} exists and is not a batchctl dataset; refusing to replace it.")
+        if output.is_dir() and (not any(output.iterdir()) or (output / "zarr.json").is_file()):
+            return
+        raise UsageError(f"OUTPUT {output} exists and is not a batchctl dataset; refusing to replace it.")
 
     def check_replaceable(self) -> None:
         output = self.paths.output
@@ -345,23 +346,28 @@ class LocalWorkdir(Workdir):
             return None
         except (OSError, ValueError):
             publishing = ""
+        finished = bool(publishing) and publishing == published_id
         with signals_ignored():
-            if publishing and publishing == published_id:
+            if finished:
                 self._finish_publish()
-                finished = True
             else:
-                finished = False
-                replaced = paths.workdir / REPLACED
-                if not paths.output.exists() and replaced.is_dir():  # stopped between the two renames
-                    os.rename(replaced, paths.output)
-                    _fsync_dir(paths.output.parent)
-                (paths.workdir / STAGED_RECORD).unlink(missing_ok=True)
-                marker.unlink()
-                _fsync_dir(paths.workdir)
+                self._undo_publish()
         if not finished:
             return None
         self.discard()
         return "finished publishing the last build, which was stopped just after its dataset was in place"
+
+    def _undo_publish(self) -> None:
+        """A publish stopped before its exchange: the staging dataset is still this build's, to
+        be resumed; the old dataset goes back if it was moved aside (no renameat2)."""
+        paths = self.paths
+        replaced = paths.workdir / REPLACED
+        if not paths.output.exists() and replaced.is_dir():  # stopped between the two renames
+            os.rename(replaced, paths.output)
+            _fsync_dir(paths.output.parent)
+        (paths.workdir / STAGED_RECORD).unlink(missing_ok=True)
+        (paths.workdir / PUBLISHING).unlink()
+        _fsync_dir(paths.workdir)
 
 
 class RemoteWorkdir(Workdir):
@@ -463,13 +469,14 @@ class RemoteWorkdir(Workdir):
             publishing = self.fs.cat_file(marker).decode("ascii", "replace").strip()
         except FileNotFoundError:
             return None
+        finished = bool(publishing) and publishing == published_id
         with signals_ignored():
-            finished = publishing == published_id
             if finished:
                 self._finish_publish()
-            for key in (marker, self._work_key(STAGED_RECORD)):
-                if not finished and self.fs.exists(key):
-                    self.fs.rm(key)
+            else:
+                left = [key for key in (marker, self._work_key(STAGED_RECORD)) if self.fs.exists(key)]
+                if left:
+                    self.fs.rm(left)
         if not finished:
             return None
         self.discard()

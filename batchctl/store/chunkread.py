@@ -168,10 +168,7 @@ class ChunkReader:
         nbytes = self.per_shard * 16 + 4
         size = os.fstat(file.fileno()).st_size
         raw = os.pread(file.fileno(), nbytes, size - nbytes) if size >= nbytes else b""
-        try:
-            index = parse_shard_index(raw, self.per_shard)
-        except FormatError:
-            raise FormatError(f"shard {shard}: the shard index checksum does not match") from None
+        index = parse_shard_index(raw, self.per_shard, f"shard {shard}")
         mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
         return file, mapped, index
 

@@ -126,17 +126,14 @@ def read_shard_index(path: Path, shard_batches: int) -> list[list[int]]:
     with open(path, "rb") as file:
         file.seek(-nbytes, os.SEEK_END)
         raw = file.read(nbytes)
-    try:
-        return parse_shard_index(raw, shard_batches).tolist()  # type: ignore[no-any-return]
-    except FormatError:
-        raise FormatError(f"{path}: the shard index checksum does not match") from None
+    return parse_shard_index(raw, shard_batches, str(path)).tolist()  # type: ignore[no-any-return]
 
 
-def parse_shard_index(raw: bytes, shard_batches: int) -> np.ndarray:
+def parse_shard_index(raw: bytes, shard_batches: int, where: str = "") -> np.ndarray:
     """A shard index's bytes as (offset, nbytes) rows, uint64, an absent chunk's NO_CHUNK;
-    checked against its crc32c first."""
+    checked against its crc32c first (a mismatch is a `FormatError` naming `where`)."""
     if len(raw) != shard_batches * 16 + 4 or google_crc32c.value(raw[:-4]) != int.from_bytes(raw[-4:], "little"):
-        raise FormatError("the shard index checksum does not match")
+        raise FormatError(f"{where}: " * bool(where) + "the shard index checksum does not match")
     return np.frombuffer(raw[:-4], dtype="<u8").reshape(shard_batches, 2)
 
 

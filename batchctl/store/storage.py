@@ -20,6 +20,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from batchctl.errors import UsageError
+from batchctl.records import describe_error
 
 
 def is_url(location: str | os.PathLike[str]) -> bool:
@@ -94,15 +95,11 @@ class TimedFilesystem:
                 raise
             except Exception as exc:  # noqa: BLE001 - each store's client raises its own kinds
                 path = args[0] if args and isinstance(args[0], str) else ""
-                what = f"no answer in {self._timeout:g} s" if type(exc).__name__ == "FSTimeoutError" else _text(exc)
+                timed_out = type(exc).__name__ == "FSTimeoutError"
+                what = f"no answer in {self._timeout:g} s" if timed_out else describe_error(exc)
                 raise StoreError(errno.EIO, f"{self._protocol}://{path} ({name}): {what}") from None
 
         return call
-
-
-def _text(exc: BaseException) -> str:
-    first = (str(exc).strip().splitlines() or [""])[0]
-    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
 @functools.cache
