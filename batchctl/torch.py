@@ -1,15 +1,19 @@
 """PyTorch adapters (optional: needs `pip install batchctl[torch]`).
 
-`BatchDataset` is map-style over whole batches, for `DataLoader(ds, batch_size=None,
-num_workers=k)`; `IterableBatches` shuffles per epoch and splits batches between
-`torch.distributed` ranks and DataLoader workers. Numeric fields become tensors; `source` stays a
-list of strings.
+`IterableBatches` is the training stream: `Dataset.loader`'s order (any batch size, fresh batches
+every epoch, one order for any number of ranks) for a `DataLoader(stream, batch_size=None)`, its
+rank and world size taken from `torch.distributed`, a rank's share split between the DataLoader's
+workers, and a resume state for torchdata's `StatefulDataLoader`. `BatchDataset` is map-style over
+the stored batches. Numeric fields become tensors; `source` stays a list of strings.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from multiprocessing.context import get_spawning_popen
+from multiprocessing.sharedctypes import RawValue
 from typing import Any
 
 import numpy as np
@@ -17,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset as TorchDataset, IterableDataset, get_worker_info
 
+from batchctl.errors import ResumeMismatchError
+from batchctl.read.loader import Loader
 from batchctl.read.reader import Batch, Dataset
 
 
@@ -31,24 +37,27 @@ class _Lazy:
     """The dataset, opened here to learn its length and opened again in each process it is
     pickled to (DataLoader workers each get their own)."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], storage_options: Mapping[str, object] | None = None) -> None:
         self.path = os.fspath(path)
+        self.storage_options = dict(storage_options or {})
         self._ds: Dataset | None = None
         self.num_batches = len(self.dataset)
 
     @property
     def dataset(self) -> Dataset:
         if self._ds is None:
-            self._ds = Dataset(self.path)
+            self._ds = Dataset(self.path, storage_options=self.storage_options)
         return self._ds
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"path": self.path, "_ds": None, "num_batches": self.num_batches}
+        return {**self.__dict__, "_ds": None}
 
 
 class BatchDataset(TorchDataset[dict[str, Any]]):
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self._lazy = _Lazy(path)
+    """Stored batch i, for `DataLoader(ds, batch_size=None, shuffle=True, num_workers=k)`."""
+
+    def __init__(self, path: str | os.PathLike[str], storage_options: Mapping[str, object] | None = None) -> None:
+        self._lazy = _Lazy(path, storage_options)
 
     def __len__(self) -> int:
         return self._lazy.num_batches
@@ -57,25 +66,138 @@ class BatchDataset(TorchDataset[dict[str, Any]]):
         return to_torch(self._lazy.dataset[index])
 
 
-class IterableBatches(IterableDataset[dict[str, Any]]):
-    """Each rank reads a disjoint, equally long share of the epoch's batches (as DDP needs), and
-    the DataLoader workers of a rank split that share between them, none left out."""
+@dataclass
+class _Pass:
+    """One process's pass over an epoch: where it began (a global position), the steps it has
+    handed out, and the shared epoch when it was taken up (a `set_epoch` since then replaces it)."""
 
-    def __init__(self, path: str | os.PathLike[str], shuffle: bool = True, seed: int = 0, prefetch: int = 2) -> None:
-        self._lazy = _Lazy(path)
-        self.shuffle, self.seed, self.prefetch, self.epoch = shuffle, seed, prefetch, 0
+    epoch: int
+    seen: int
+    start: int = 0
+    yielded: int = 0
+
+
+class IterableBatches(IterableDataset[dict[str, Any]]):
+    """This rank's batches of `Dataset.loader`'s order, epoch after epoch.
+
+    Rank and world size come from `torch.distributed` when it is initialised as this is made
+    (DataLoader workers cannot ask it), unless given. DataLoader worker w of n takes its rank's
+    steps w, w+n, ...: the DataLoader hands them out in turn, so the rank sees the loader's order
+    whatever n is. Handing out an epoch's last batch moves to the next epoch, and `set_epoch`
+    picks one; the epoch lives in a few bytes of memory shared with the DataLoader's workers, so
+    both reach them whether the workers are kept (`persistent_workers=True`) or made each epoch.
+    `state_dict`/`load_state_dict` make it resumable under torchdata's `StatefulDataLoader`.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        batch_size: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        mix: int = 16,
+        drop_last: bool = True,
+        prefetch: int | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        storage_options: Mapping[str, object] | None = None,
+    ) -> None:
+        self._lazy = _Lazy(path, storage_options)
+        distributed = dist.is_available() and dist.is_initialized()
+        self.rank = rank if rank is not None else dist.get_rank() if distributed else 0
+        self.world_size = world_size if world_size is not None else dist.get_world_size() if distributed else 1
+        self._options: dict[str, Any] = {"batch_size": batch_size, "shuffle": shuffle, "seed": seed, "mix": mix}
+        self._options.update(drop_last=drop_last, prefetch=prefetch)
+        self._loader_made: Loader | None = None
+        self._loader()  # options checked here, not first in a DataLoader worker
+        self._epoch: Any = RawValue("q", 0)  # shared with DataLoader workers (inherited, or passed as they start)
+        self._pass: _Pass | None = None
+        self._workers: int | None = None  # as a loaded state says; checked against the DataLoader's
+
+    def _loader(self) -> Loader:
+        if self._loader_made is None:
+            self._loader_made = self._lazy.dataset.loader(rank=self.rank, world_size=self.world_size, **self._options)
+        return self._loader_made
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = {**self.__dict__, "_loader_made": None}
+        if get_spawning_popen() is None:  # a copy, not a worker being started: its own epoch
+            state["_epoch"] = RawValue("q", self.epoch)
+        return state
+
+    @property
+    def epoch(self) -> int:
+        return int(self._epoch.value)
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+        """Start epoch `epoch` from its beginning, unless it is the one this stream is in."""
+        if epoch != self.epoch:
+            self._loader().set_epoch(epoch)  # checks it
+            self._epoch.value, self._pass = int(epoch), None
 
-    def _order(self) -> list[int]:
-        rank, world = (
-            (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
-        )
-        order = self._lazy.dataset.batch_order(self.shuffle, self.seed, self.epoch, rank, world)
-        worker = get_worker_info()
-        return order if worker is None else order[worker.id :: worker.num_workers]
+    def __len__(self) -> int:
+        """This rank's steps left in the current epoch (all workers together)."""
+        current = self._current()
+        return len(self._rank_steps(current)) - current.yielded  # a DataLoader's main process hands out none itself
+
+    def _current(self) -> _Pass:
+        """The pass this process is in or will take up: its own (running, left part way, loaded)
+        unless the shared epoch has been set since, else the shared epoch's from the start."""
+        epoch = self.epoch
+        if self._pass is None or self._pass.seen != epoch:
+            self._pass = _Pass(epoch, seen=epoch)
+        return self._pass
+
+    def _rank_steps(self, current: _Pass) -> Sequence[int]:
+        loader = self._loader()
+        loader.set_epoch(current.epoch)
+        return loader.batches(current.start)
+
+    @staticmethod
+    def _worker() -> tuple[int, int]:
+        info = get_worker_info()
+        return (0, 1) if info is None else (info.id, info.num_workers)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        for batch in self._lazy.dataset.iter_order(self._order(), self.prefetch):
+        # the pass is settled here, not when the first batch is asked for: StatefulDataLoader
+        # takes a worker's state between the two
+        worker, workers = self._worker()
+        if self._workers is not None and self._workers != workers:
+            raise ResumeMismatchError(
+                f"the state was saved with {self._workers} DataLoader workers, this DataLoader has {workers}"
+            )
+        current = self._current()
+        return self._run(current, self._rank_steps(current)[worker::workers][current.yielded :])
+
+    def _run(self, current: _Pass, steps: Sequence[int]) -> Iterator[dict[str, Any]]:
+        loader = self._loader()
+        for step, batch in enumerate(loader.read(loader.order(current.epoch), steps), 1):
+            current.yielded += 1  # counted before the caller has it: a state then saved skips it
+            if step == len(steps):
+                self._next_epoch(current)
             yield to_torch(batch)
+        if not steps:
+            self._next_epoch(current)
+
+    def _next_epoch(self, current: _Pass) -> None:
+        """This process's share of the epoch is handed out: its state is now the next epoch's start."""
+        self._epoch.value = current.epoch + 1
+        self._pass, self._workers = _Pass(current.epoch + 1, seen=current.epoch + 1), None
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this process's share stands: the loader's state of the pass's start, and the
+        steps this DataLoader worker (or the main process) has handed out since."""
+        worker, workers = self._worker()
+        current = self._pass if self._pass is not None else self._current()
+        state = self._loader().state_dict()
+        state.update(epoch=current.epoch, position=current.start, worker=worker, workers=workers)
+        state["yielded"] = current.yielded
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._loader().check_state(state)
+        workers, yielded = state.get("workers", 1), state.get("yielded", 0)
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (workers, yielded)):
+            raise ResumeMismatchError(f"the state's workers and yielded are not ints >= 0: {workers!r}, {yielded!r}")
+        self._pass = _Pass(state["epoch"], seen=self.epoch, start=state["position"], yielded=yielded)
+        self._workers = workers

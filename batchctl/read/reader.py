@@ -1,23 +1,24 @@
 """Read: a built dataset as batches of NumPy arrays, with no framework dependency.
 
-`open(path)` returns a `Dataset`; `ds[i]` is batch i as a dict of arrays (every field, `source`
-and `source_index` included). `iter_batches` shuffles batch order per epoch, splits batches
-between ranks and reads ahead in threads so decompression overlaps the training step.
+`open(path)` returns a `Dataset`; `ds[i]` is stored batch i as a dict of arrays (every field,
+`source` and `source_index` included). `ds.loader(...)` is the way to train from it
+(`batchctl/read/loader.py`): any batch size, fresh batches each epoch, ranks, resume.
 """
 
 from __future__ import annotations
 
 import os
-from collections import deque
 from collections.abc import Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from batchctl.errors import BatchctlError, FormatError
 from batchctl.store import format as fmt, storage
+
+if TYPE_CHECKING:
+    from batchctl.read.loader import Loader
 
 Batch = dict[str, np.ndarray]
 
@@ -127,22 +128,24 @@ class Dataset:
         batch, row = divmod(index, self.batch_size)
         return {name: column[row] for name, column in self[batch].items()}
 
-    def batch_order(
-        self, shuffle: bool = False, seed: int = 0, epoch: int = 0, rank: int = 0, world_size: int = 1
-    ) -> list[int]:
-        """Batch indices for one rank in one epoch.
+    def loader(
+        self,
+        batch_size: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        mix: int = 16,
+        rank: int = 0,
+        world_size: int = 1,
+        drop_last: bool = True,
+        prefetch: int | None = None,
+    ) -> Loader:
+        """Batches for training: any `batch_size` (default: the stored one), fresh batches every
+        epoch (`mix` stored batches' rows permuted together), one order for any number of ranks,
+        and a resume state (`state_dict`) that continues exactly, on this or another world size.
+        `prefetch` stored batches are read ahead (default: one group of `mix`). See `Loader`."""
+        from batchctl.read.loader import Loader
 
-        Shuffled deterministically from (seed, epoch). Ranks take disjoint, equally long slices:
-        the last `num_batches % world_size` batches of the epoch's order are left out, so every
-        rank runs the same number of steps (different ones each epoch when shuffled).
-        """
-        if world_size < 1 or not 0 <= rank < world_size:
-            raise BatchctlError(f"Expected 0 <= rank < world_size, got rank {rank}, world_size {world_size} instead.")
-        order = np.arange(self.num_batches)
-        if shuffle:
-            order = np.random.default_rng([seed, epoch]).permutation(self.num_batches)
-        per_rank = self.num_batches // world_size
-        return [int(i) for i in order[rank * per_rank : (rank + 1) * per_rank]] if world_size > 1 else order.tolist()
+        return Loader(self, batch_size, shuffle, seed, mix, rank, world_size, drop_last, prefetch)
 
     def iter_batches(
         self,
@@ -153,28 +156,12 @@ class Dataset:
         world_size: int = 1,
         prefetch: int = 2,
     ) -> Iterator[Batch]:
-        """Yield this rank's batches for one epoch, `prefetch` batches read ahead in threads."""
-        return self.iter_order(self.batch_order(shuffle, seed, epoch, rank, world_size), prefetch)
-
-    def iter_order(self, order: list[int], prefetch: int = 2) -> Iterator[Batch]:
-        """Yield the batches `order` names, in that order, `prefetch` read ahead in threads."""
-        if prefetch <= 0:
-            yield from (self[i] for i in order)
-            return
-        # One thread per batch read ahead (up to the cores): preadv, crc32c and zstd release the GIL,
-        # so one batch's read overlaps another's checksum or decoding and the caller's step. Side by
-        # side on 2 cores, two threads read 0.9-1.2x of np.load's rate, one thread 0.45-0.7x;
-        # benchmarks/read.py measures 84-90% of np.load with the default prefetch=2.
-        threads = min(prefetch, len(os.sched_getaffinity(0)))  # prefetch >= 1 here
-        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="batchctl-read") as pool:
-            pending: deque[Future[Batch]] = deque()
-            indices = iter(order)
-            for index in indices:
-                pending.append(pool.submit(self.__getitem__, index))
-                if len(pending) > prefetch:
-                    yield pending.popleft().result()
-            while pending:
-                yield pending.popleft().result()
+        """The stored batches of one epoch, whole (`loader(mix=1)`): in stored order, or
+        shuffled per (seed, epoch). One rank keeps the short last batch; several take equal
+        shares, leaving out what cannot be shared evenly."""
+        loader = self.loader(None, shuffle, seed, 1, rank, world_size, drop_last=world_size > 1, prefetch=prefetch)
+        loader.set_epoch(epoch)
+        return iter(loader)
 
     def __iter__(self) -> Iterator[Batch]:
         return self.iter_batches()

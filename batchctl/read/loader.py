@@ -1,0 +1,331 @@
+"""Training reads: one row order per epoch, cut into batches of any size and shared by ranks.
+
+The order is a pure function of (seed, epoch, the dataset, batch_size, mix, drop_last), computed
+the same way by every rank, every world size and every DataLoader worker. So a position in it
+(how many output batches all ranks together have taken) is a complete, tiny resume state that
+means the same rows on any number of ranks: exact and elastic resume are the same operation.
+
+How an epoch is ordered (`EpochOrder`): with `shuffle`, the stored batches are visited in a
+permutation seeded by (seed, epoch), `mix` at a time; the rows of each group are permuted together
+(seeded by seed, epoch and the group), the groups' rows follow one another, and that row sequence
+is cut into output batches of `batch_size`. `mix=1` keeps each stored batch's rows in stored order
+(the batch-level shuffle: no gather, the fastest). Without `shuffle`, rows come in stored order.
+Output batch j of the epoch goes to rank j % world_size, so ranks take disjoint, equally long
+shares: `drop_last` leaves out the short last batch and the batches that cannot be shared evenly;
+without it the last round is filled from the epoch's first batches (as torch's DistributedSampler
+pads), so every rank still takes as many steps.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from batchctl.errors import ResumeMismatchError, UsageError
+
+if TYPE_CHECKING:
+    from batchctl.read.reader import Batch, Dataset
+
+STATE_FORMAT = "batchctl.loader/1"
+
+
+@dataclass(frozen=True)
+class OrderOptions:
+    """What an epoch's order depends on besides the dataset and the epoch (a resume state must match)."""
+
+    batch_size: int
+    shuffle: bool
+    seed: int
+    mix: int
+    drop_last: bool
+
+    def check(self) -> None:
+        for name in ("batch_size", "mix"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise UsageError(f"Expected {name} to be a positive int, got {value!r} instead.")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or self.seed < 0:
+            raise UsageError(f"Expected seed to be an int >= 0, got {self.seed!r} instead.")
+
+
+class EpochOrder:
+    """One epoch's rows, as a sequence of output batches of global row indices.
+
+    Nothing of size num_samples is built: the visit order of stored batches is one index per
+    stored batch, and a group's row permutation is made when a batch of that group is asked for.
+    """
+
+    def __init__(self, num_samples: int, stored_batch: int, options: OrderOptions, epoch: int) -> None:
+        self.num_samples, self.stored_batch, self.options = num_samples, stored_batch, options
+        stored, short = divmod(num_samples, stored_batch)
+        if options.shuffle:
+            # a short last stored batch is visited last: the others' rows then line up with
+            # output batches of the stored size, which are the stored batches themselves at mix=1
+            self.visit = np.random.default_rng([options.seed, epoch]).permutation(stored)
+            self.group = options.mix
+        else:
+            self.visit, self.group = np.arange(stored), 1
+        if short:
+            self.visit = np.append(self.visit, stored)
+            stored += 1
+        self.permute = options.shuffle and options.mix > 1
+        self.epoch = epoch
+        lengths = np.full(stored, stored_batch, dtype=np.int64)
+        if stored:
+            lengths[-1] = num_samples - (stored - 1) * stored_batch
+        visited = lengths[self.visit]
+        groups = math.ceil(stored / self.group)
+        sizes = np.add.reduceat(visited, np.arange(groups) * self.group) if groups else np.zeros(0, np.int64)
+        self.group_start = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        batch = options.batch_size
+        self.batches = num_samples // batch if options.drop_last else math.ceil(num_samples / batch)
+        self._rows: OrderedDict[int, np.ndarray] = OrderedDict()
+
+    def stored_of_group(self, group: int) -> np.ndarray:
+        return self.visit[group * self.group : (group + 1) * self.group]
+
+    def group_rows(self, group: int) -> np.ndarray:
+        """The group's global row indices in epoch order (a few recent groups are kept)."""
+        rows = self._rows.get(group)
+        if rows is None:
+            size = self.stored_batch
+            rows = np.concatenate(
+                [np.arange(s * size, min((s + 1) * size, self.num_samples)) for s in self.stored_of_group(group)]
+            )
+            if self.permute:
+                rows = np.random.default_rng([self.options.seed, self.epoch, 1, group]).permutation(rows)
+            self._rows[group] = rows
+            if len(self._rows) > 4:
+                self._rows.popitem(last=False)
+        return rows
+
+    def groups_of(self, batch: int) -> range:
+        """The groups output batch `batch` takes rows from, in epoch order."""
+        start, stop = self._span(batch)
+        first = int(np.searchsorted(self.group_start, start, side="right")) - 1
+        last = int(np.searchsorted(self.group_start, stop - 1, side="right")) - 1
+        return range(first, last + 1)
+
+    def rows(self, batch: int) -> np.ndarray:
+        """Global row indices of output batch `batch`, in order."""
+        start, stop = self._span(batch)
+        parts = []
+        for group in self.groups_of(batch):
+            base = int(self.group_start[group])
+            parts.append(self.group_rows(group)[max(start - base, 0) : stop - base])
+        return np.concatenate(parts) if len(parts) > 1 else parts[0]
+
+    def _span(self, batch: int) -> tuple[int, int]:
+        if not 0 <= batch < self.batches:
+            raise IndexError(f"output batch {batch} out of range: the epoch has {self.batches}")
+        start = batch * self.options.batch_size
+        return start, min(start + self.options.batch_size, self.num_samples)
+
+
+def rank_batches(total: int, position: int, rank: int, world_size: int, drop_last: bool) -> range | list[int]:
+    """The output batches rank `rank` takes from `position` on (a position counts the batches all
+    ranks together have taken: it is the same number on every rank)."""
+    left = max(total - position, 0)
+    if drop_last:
+        return range(position + rank, position + (left // world_size) * world_size, world_size)
+    steps = math.ceil(left / world_size)
+    return [(position + t * world_size + rank) % total for t in range(steps)] if total else []
+
+
+def gather(batches: dict[int, Batch], rows: np.ndarray, stored_batch: int) -> Batch:
+    """Output rows `rows` (global indices) from the stored batches that hold them.
+
+    A few runs of consecutive rows (no shuffle, or mix=1) are slices: one run is a view of its
+    stored batch, no copy; rows in any other order are gathered."""
+    owner, local = np.divmod(rows, stored_batch)
+    cuts = np.flatnonzero((np.diff(rows) != 1) | (np.diff(owner) != 0)) + 1
+    if len(cuts) < 8:
+        bounds = zip(np.concatenate([[0], cuts]).tolist(), np.concatenate([cuts, [len(rows)]]).tolist(), strict=True)
+        pieces = [(int(owner[lo]), int(local[lo]), int(local[lo]) + hi - lo) for lo, hi in bounds]
+        if len(pieces) == 1:
+            b, lo, hi = pieces[0]
+            return {name: column[lo:hi] for name, column in batches[b].items()}
+        names = batches[pieces[0][0]].keys()
+        return {name: np.concatenate([batches[b][name][lo:hi] for b, lo, hi in pieces]) for name in names}
+    sources = [(int(b), np.flatnonzero(owner == b)) for b in np.unique(owner)]
+    first = batches[sources[0][0]]
+    out: Batch = {}
+    for name, column in first.items():
+        dtype = np.result_type(*(batches[b][name].dtype for b, _ in sources))
+        result = np.empty((len(rows), *column.shape[1:]), dtype=dtype)
+        for b, where in sources:
+            result[where] = batches[b][name][local[where]]
+        out[name] = result
+    return out
+
+
+class Loader:
+    """Batches for one rank, epoch after epoch, with a resume state.
+
+    Iterating runs the current epoch from the current position; handing out the epoch's last
+    batch moves on to the next epoch (so `for batch in loader` twice gives two epochs, and a state
+    saved then starts the next one), and a pass left part way continues where it stopped.
+    `set_epoch(e)` starts epoch e from its beginning unless e is the epoch the loader is in (so
+    `load_state_dict` then `set_epoch` of the saved epoch still resumes).
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        batch_size: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        mix: int = 16,
+        rank: int = 0,
+        world_size: int = 1,
+        drop_last: bool = True,
+        prefetch: int | None = None,
+    ) -> None:
+        self.dataset = dataset
+        self.options = OrderOptions(
+            batch_size=dataset.batch_size if batch_size is None else batch_size,
+            shuffle=bool(shuffle),
+            seed=seed,
+            mix=mix,
+            drop_last=bool(drop_last),
+        )
+        self.options.check()
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise UsageError(f"Expected world_size to be a positive int, got {world_size!r} instead.")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise UsageError(f"Expected 0 <= rank < world_size, got rank {rank!r}, world_size {world_size} instead.")
+        self.rank, self.world_size = rank, world_size
+        # one group read ahead by default, so the next group is read while this one is cut
+        self.prefetch = (self.options.mix if self.options.shuffle else 2) if prefetch is None else prefetch
+        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise UsageError(f"Expected prefetch to be an int >= 0, got {prefetch!r} instead.")
+        self.epoch, self.position = 0, 0
+        self._order: EpochOrder | None = None
+
+    def order(self, epoch: int | None = None) -> EpochOrder:
+        """The order of `epoch` (default: the current one)."""
+        epoch = self.epoch if epoch is None else epoch
+        if self._order is None or self._order.epoch != epoch:
+            self._order = EpochOrder(self.dataset.num_samples, self.dataset.batch_size, self.options, epoch)
+        return self._order
+
+    def set_epoch(self, epoch: int) -> None:
+        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
+            raise UsageError(f"Expected epoch to be an int >= 0, got {epoch!r} instead.")
+        if epoch != self.epoch:
+            self.epoch, self.position = int(epoch), 0
+
+    def batches(self, position: int | None = None) -> Sequence[int]:
+        """This rank's output batches of the current epoch from `position` (default: the current one)."""
+        position = self.position if position is None else position
+        total = self.order().batches
+        return rank_batches(total, position, self.rank, self.world_size, self.options.drop_last)
+
+    def __len__(self) -> int:
+        """This rank's steps left in the current epoch (all of them before a pass begins)."""
+        return len(self.batches())
+
+    def __iter__(self) -> Iterator[Batch]:
+        order, steps = self.order(), self.batches()
+        for step, batch in enumerate(self.read(order, steps), 1):
+            # counted before the caller has the batch, so a state saved then skips it; after the
+            # epoch's last one, a saved state is the next epoch's start
+            self.position += self.world_size
+            if step == len(steps):
+                self.epoch, self.position = self.epoch + 1, 0
+            yield batch
+        if not steps:  # nothing was left of this epoch
+            self.epoch, self.position = self.epoch + 1, 0
+
+    def read(self, order: EpochOrder, batches: Iterable[int]) -> Iterator[Batch]:
+        """Output batches `batches` of `order`, in that order, reading stored batches ahead in threads."""
+        return _read(self.dataset, order, batches, self.prefetch)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this loader stands, as plain JSON-able data: the same on every rank."""
+        return {
+            "format": STATE_FORMAT,
+            "dataset": self.dataset_version(),
+            "options": asdict(self.options),
+            "epoch": self.epoch,
+            "position": self.position,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from `state`, taken from a loader of the same dataset and options on any number of ranks."""
+        self.check_state(state)
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+    def check_state(self, state: Any) -> None:
+        """Refuse, in one line naming the difference, a state this loader cannot continue."""
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise ResumeMismatchError(f"not a batchctl loader state (expected format {STATE_FORMAT!r})")
+        ours, theirs = self.dataset_version(), state.get("dataset")
+        if theirs != ours:
+            raise ResumeMismatchError(
+                f"the state is of another version of the dataset (saved: {theirs}, {self.dataset.path}: {ours});"
+                " start the epoch over with a fresh loader"
+            )
+        saved = state.get("options")
+        if not isinstance(saved, dict):
+            raise ResumeMismatchError("the state has no loader options")
+        for name, value in asdict(self.options).items():
+            if saved.get(name) != value:
+                raise ResumeMismatchError(
+                    f"the state was saved with {name}={saved.get(name)!r}, this loader has {name}={value!r}"
+                )
+        epoch, position = state.get("epoch"), state.get("position")
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (epoch, position)):
+            raise ResumeMismatchError(f"the state's epoch and position are not ints >= 0: {epoch!r}, {position!r}")
+
+    def dataset_version(self) -> dict[str, Any]:
+        return {"build_id": self.dataset.attrs.build_id, "num_samples": self.dataset.num_samples}
+
+
+def _read(dataset: Dataset, order: EpochOrder, batches: Iterable[int], prefetch: int) -> Iterator[Batch]:
+    """Read and cut output batches. The groups the current output batch takes rows from are held,
+    and whole groups more are read ahead until `prefetch` stored batches are, one thread per
+    stored batch (up to the cores): reading, checksums and zstd release the GIL, so they overlap
+    one another and the caller's step."""
+    wanted = list(batches)
+    if not wanted:
+        return
+    threads = max(1, min(prefetch, len(os.sched_getaffinity(0))))
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="batchctl-read") as pool:
+
+        def read_group(group: int) -> tuple[int, dict[int, Future[Batch]]]:
+            return group, {int(s): pool.submit(dataset.__getitem__, int(s)) for s in order.stored_of_group(group)}
+
+        held: deque[tuple[int, dict[int, Future[Batch]]]] = deque()  # groups in the order they are needed
+        upcoming = _group_visits(order, wanted)
+        for batch in wanted:
+            needs = len(order.groups_of(batch))
+            while held and held[0][0] != order.groups_of(batch)[0]:
+                held.popleft()  # groups before this batch's first are done with
+            while len(held) < needs:
+                held.append(read_group(next(upcoming)))
+            ahead = sum(len(reads) for _, reads in list(held)[needs:])
+            for group in upcoming if ahead < prefetch else ():
+                held.append(read_group(group))
+                ahead += len(held[-1][1])
+                if ahead >= prefetch:
+                    break
+            stored = {s: f.result() for _, reads in list(held)[:needs] for s, f in reads.items()}
+            yield gather(stored, order.rows(batch), order.stored_batch)
+
+
+def _group_visits(order: EpochOrder, batches: list[int]) -> Iterator[int]:
+    """The groups the output batches need, in need order, each once per run of batches needing it."""
+    last = None
+    for batch in batches:
+        for group in order.groups_of(batch):
+            if group != last:
+                yield group
+                last = group

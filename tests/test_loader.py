@@ -1,0 +1,324 @@
+"""Training reads (`Dataset.loader`, `batchctl.torch.IterableBatches`) on datasets built by the real CLI.
+
+Every sample is a one-row .npy whose value is its own number, written in its file name too, so a
+batch's rows can be checked against their sources and followed one by one across ranks and resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import batchctl
+from batchctl.read.loader import Loader
+from tests.conftest import ROOT, run_cli
+
+CLASSES, PER_CLASS, STORED = 5, 41, 8  # 205 samples: 25 full stored batches and a short one
+
+
+def make_numbered(root: Path, start: int, count: int, classes: int) -> None:
+    for n in range(start, start + count):
+        folder = root / f"c{n % classes}"
+        folder.mkdir(parents=True, exist_ok=True)
+        np.save(folder / f"s{n:05d}.npy", np.array([n], dtype=np.int32))
+
+
+@pytest.fixture(scope="module")
+def numbered(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Class folders, built `--sorted`: each stored batch holds one or two classes."""
+    root = tmp_path_factory.mktemp("loader")
+    make_numbered(root / "src", 0, CLASSES * PER_CLASS, CLASSES)
+    out = root / "numbered.zarr"
+    result = run_cli("build", root / "src", "-o", out, "--preprocess", "npy", "--batch-size", STORED, "--sorted")
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+def ids(batch: dict[str, Any]) -> list[int]:
+    """The samples of a batch, each checked against its own source path (a row never parts from its fields)."""
+    values = [int(v) for v in np.asarray(batch["array"]).reshape(-1)]
+    sources = [int(str(s).rsplit("s", 1)[1].split(".")[0]) for s in batch["source"]]
+    assert values == sources
+    labels = np.asarray(batch["label"]).tolist()
+    assert labels == [v % CLASSES for v in values]
+    return values
+
+
+def epoch_ids(loader: Loader | Any) -> list[list[int]]:
+    return [ids(b) for b in loader]
+
+
+OPTION_SETS = [
+    {},
+    {"batch_size": 5},
+    {"batch_size": 13, "mix": 4, "drop_last": False},
+    {"batch_size": 20, "mix": 1},
+    {"batch_size": 3, "shuffle": False, "drop_last": False},
+    {"batch_size": 64, "mix": 2, "seed": 7},
+]
+
+
+@pytest.mark.parametrize("options", OPTION_SETS)
+def test_every_sample_once_in_batches_of_any_size(numbered: Path, options: dict[str, Any]) -> None:
+    ds = batchctl.open(numbered)
+    loader = ds.loader(**options)
+    size = options.get("batch_size", STORED)
+    epoch = epoch_ids(loader)
+    flat = [n for batch in epoch for n in batch]
+    assert len(flat) == len(set(flat))
+    if options.get("drop_last", True):
+        assert [len(b) for b in epoch] == [size] * (ds.num_samples // size)
+        assert len(flat) > ds.num_samples - size
+    else:
+        assert sorted(flat) == list(range(ds.num_samples))
+        assert all(len(b) == size for b in epoch[:-1])
+    if not options.get("shuffle", True):
+        assert flat == [n for i in range(len(ds)) for n in ids(ds[i])]  # stored order
+    again = epoch_ids(loader)  # the next epoch
+    assert (again != epoch) == options.get("shuffle", True)
+    assert epoch_ids(ds.loader(**options)) == epoch  # a pure function of the options and the epoch
+
+
+def test_ranks_share_one_order(numbered: Path) -> None:
+    ds = batchctl.open(numbered)
+    options = {"batch_size": 6, "mix": 4, "seed": 3}
+    whole = ds.loader(**options)
+    whole.set_epoch(2)
+    single = epoch_ids(whole)
+    for world in (2, 3, 4):
+        shares = []
+        for rank in range(world):
+            loader = ds.loader(**options, rank=rank, world_size=world)
+            loader.set_epoch(2)
+            assert len(loader) == len(single) // world
+            shares.append(epoch_ids(loader))
+        assert {len(s) for s in shares} == {len(single) // world}  # equal steps, as DDP needs
+        # global batch j goes to rank j % world: the ranks' shares interleave back into the one order
+        assert [shares[j % world][j // world] for j in range(len(shares[0]) * world)] == single[
+            : len(shares[0]) * world
+        ]
+    padded = [epoch_ids(ds.loader(batch_size=25, drop_last=False, rank=r, world_size=3)) for r in range(3)]
+    assert [len(p) for p in padded] == [3, 3, 3]  # 9 batches of <= 25 rows; the last round filled from the first
+    assert sorted(n for p in padded for b in p for n in b)[: ds.num_samples] == list(range(ds.num_samples))
+
+
+def _resume_in_new_process(path: Path, options: dict[str, Any], state: dict[str, Any], epochs: int) -> list[list[int]]:
+    code = (
+        "import json, sys, batchctl\n"
+        "path, options, state, epochs = json.loads(sys.argv[1])\n"
+        "loader = batchctl.open(path).loader(**options)\n"
+        "loader.load_state_dict(state)\n"
+        "out = [[int(v) for v in b['array'][:, 0]] for _ in range(epochs) for b in loader]\n"
+        "print(json.dumps(out))\n"
+    )
+    arg = json.dumps([str(path), options, state, epochs])
+    done = subprocess.run([sys.executable, "-c", code, arg], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return [list(b) for b in json.loads(done.stdout)]
+
+
+@pytest.mark.parametrize("options", OPTION_SETS[:4])
+def test_exact_resume_at_random_steps(numbered: Path, options: dict[str, Any]) -> None:
+    ds = batchctl.open(numbered)
+    reference = ds.loader(**options)
+    expected = epoch_ids(reference) + epoch_ids(reference)  # two uninterrupted epochs
+    rng = random.Random(repr(options))
+    for k in sorted({rng.randrange(1, len(expected)) for _ in range(3)} | {len(expected) // 2}):
+        first = ds.loader(**options)
+        got: list[list[int]] = []
+        for _ in range(2):
+            for batch in first:
+                got.append(ids(batch))
+                if len(got) == k:
+                    break
+            if len(got) == k:
+                break
+        state = json.loads(json.dumps(first.state_dict()))  # plain JSON
+        epochs_left = 2 - state["epoch"]  # after an epoch's last batch, the state is the next one's start
+        rest = _resume_in_new_process(numbered, options, state, epochs_left) if k == len(expected) // 2 else None
+        if rest is None:
+            second = ds.loader(**options)
+            second.load_state_dict(state)
+            rest = [ids(b) for _ in range(epochs_left) for b in second]
+        assert got + rest == expected, (options, k)
+
+
+def test_resume_twice_in_a_row(numbered: Path) -> None:
+    ds = batchctl.open(numbered)
+    options = {"batch_size": 7, "mix": 4}
+    expected = epoch_ids(ds.loader(**options))
+    got: list[list[int]] = []
+    state = None
+    for stop in (5, 11, len(expected)):
+        loader = ds.loader(**options)
+        if state is not None:
+            loader.load_state_dict(state)
+        for batch in loader:
+            got.append(ids(batch))
+            if len(got) == stop:
+                break
+        state = loader.state_dict()
+    assert got == expected
+    loader = ds.loader(**options)
+    loader.load_state_dict(state)  # saved after the epoch's last batch: what follows is the next epoch
+    reference = ds.loader(**options)
+    reference.set_epoch(1)
+    assert epoch_ids(loader) == epoch_ids(reference)
+
+
+@pytest.mark.parametrize(("old", "new"), [(4, 2), (2, 3), (3, 1)])
+def test_elastic_resume_on_another_world_size(numbered: Path, old: int, new: int) -> None:
+    ds = batchctl.open(numbered)
+    options = {"batch_size": 4, "mix": 8, "seed": 11}
+    epoch = epoch_ids(ds.loader(**options))
+    total = len(epoch)
+    consumed: list[int] = []
+    states = []
+    for rank in range(old):  # each old rank takes k steps, as under DDP
+        loader = ds.loader(**options, rank=rank, world_size=old)
+        for step, batch in enumerate(loader, 1):
+            consumed.extend(ids(batch))
+            if step == 5:
+                break
+        states.append(loader.state_dict())
+    assert all(s == states[0] for s in states)  # every rank saves the same state: keep rank 0's
+    state = json.loads(json.dumps(states[0]))
+    remaining: list[int] = []
+    lengths = set()
+    for rank in range(new):
+        loader = ds.loader(**options, rank=rank, world_size=new)
+        loader.load_state_dict(state)
+        share = epoch_ids(loader)
+        lengths.add(len(share))
+        remaining.extend(n for b in share for n in b)
+    assert len(lengths) == 1  # equal steps on the new ranks too
+    assert not set(consumed) & set(remaining) and len(remaining) == len(set(remaining))
+    # over the new ranks together: every sample the old ranks had not consumed, sample by sample,
+    # but for the last (total - 5 * old) % new batches, which cannot be shared evenly (drop_last)
+    left_over = (total - 5 * old) % new
+    expected = {n for b in epoch[5 * old : total - left_over] for n in b}
+    assert set(remaining) == expected
+    assert set(consumed) == {n for b in epoch[: 5 * old] for n in b}
+
+
+def test_a_state_of_another_version_or_options_is_refused(tmp_path: Path) -> None:
+    make_numbered(tmp_path / "src", 0, 40, 2)
+    out = tmp_path / "d.zarr"
+    assert run_cli("build", tmp_path / "src", "-o", out, "--preprocess", "npy", "--batch-size", 8).returncode == 0
+    loader = batchctl.open(out).loader(batch_size=5)
+    next(iter(loader))
+    state = loader.state_dict()
+    with pytest.raises(batchctl.ResumeMismatchError, match=r"saved with batch_size=5, this loader has batch_size=6"):
+        batchctl.open(out).loader(batch_size=6).load_state_dict(state)
+    with pytest.raises(batchctl.ResumeMismatchError, match=r"saved with mix=16, this loader has mix=4"):
+        batchctl.open(out).loader(batch_size=5, mix=4).load_state_dict(state)
+    make_numbered(tmp_path / "src", 40, 3, 2)  # the folder grows; the nightly build adds them
+    assert run_cli("build", tmp_path / "src", "-o", out, "--preprocess", "npy", "--batch-size", 8).returncode == 0
+    with pytest.raises(batchctl.ResumeMismatchError, match="another version of the dataset") as caught:
+        batchctl.open(out).loader(batch_size=5).load_state_dict(state)
+    assert "\n" not in str(caught.value)
+    with pytest.raises(batchctl.ResumeMismatchError, match="not a batchctl loader state"):
+        loader.load_state_dict({"epoch": 1})
+    with pytest.raises(batchctl.UsageError, match="batch_size to be a positive int"):
+        batchctl.open(out).loader(batch_size=0)
+
+
+def test_mixing_raises_classes_per_batch(numbered: Path) -> None:
+    """The shuffle-quality figures' direction on a class-sorted build (benchmarks report the figures)."""
+    ds = batchctl.open(numbered)
+
+    def distinct(mix: int) -> float:
+        counts = [len(Counter(np.asarray(b["label"]).tolist())) for b in ds.loader(mix=mix, seed=1)]
+        return sum(counts) / len(counts)
+
+    d1, d4, d16 = distinct(1), distinct(4), distinct(16)
+    assert d1 < 2.1 < d4 < d16  # sorted stored batches of 8 hold one or two classes; mixing spreads them
+    assert d16 > 0.9 * CLASSES * (1 - (1 - 1 / CLASSES) ** STORED)  # near a global permutation's expectation
+
+
+def test_iter_batches_is_the_whole_stored_batches(numbered: Path) -> None:
+    ds = batchctl.open(numbered)
+    plain = [ids(b) for b in ds.iter_batches()]
+    assert plain == [ids(ds[i]) for i in range(len(ds))]
+    shuffled = [ids(b) for b in ds.iter_batches(shuffle=True, seed=1, epoch=2)]
+    assert sorted(map(tuple, shuffled)) == sorted(map(tuple, plain)) and shuffled != plain
+    ranks = [[ids(b) for b in ds.iter_batches(shuffle=True, seed=1, rank=r, world_size=4)] for r in range(4)]
+    assert {len(r) for r in ranks} == {6}  # 25 full batches among 4 ranks, the short one left out
+    assert len({tuple(b) for r in ranks for b in r}) == 24
+
+
+# --- PyTorch ---------------------------------------------------------------------------------
+
+
+def _stateful_run(
+    path: Path, workers: int, stop: int | None = None, state: dict[str, Any] | None = None, epochs: int = 2
+) -> tuple[list[list[int]], dict[str, Any] | None]:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from batchctl.torch import IterableBatches
+
+    stream = IterableBatches(path, batch_size=6, mix=4, seed=5)
+    loader = StatefulDataLoader(stream, batch_size=None, num_workers=workers)
+    if state is not None:
+        loader.load_state_dict(state)
+    got: list[list[int]] = []
+    for _ in range(epochs):
+        for batch in loader:
+            got.append(ids(batch))
+            if len(got) == stop:
+                return got, loader.state_dict()
+    return got, None
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_stateful_dataloader_resumes_exactly(numbered: Path, workers: int) -> None:
+    pytest.importorskip("torchdata")
+    reference = batchctl.open(numbered).loader(batch_size=6, mix=4, seed=5)
+    expected = epoch_ids(reference) + epoch_ids(reference)
+    full, _ = _stateful_run(numbered, workers)
+    assert full == expected  # the loader's order with or without workers, epochs advancing by themselves
+    for stop in (7, len(expected) // 2, len(expected) // 2 + 3):
+        head, state = _stateful_run(numbered, workers, stop=stop)
+        assert state is not None
+        tail, _ = _stateful_run(numbered, workers, state=state, epochs=1 if stop >= len(expected) // 2 else 2)
+        assert head + tail == expected, (workers, stop)
+
+
+def test_torch_epochs_advance_with_persistent_workers(numbered: Path) -> None:
+    pytest.importorskip("torch")
+    from torch.utils.data import DataLoader
+
+    from batchctl.torch import IterableBatches
+
+    reference = batchctl.open(numbered).loader(batch_size=10, seed=2)
+    epochs = [epoch_ids(reference) for _ in range(3)]
+    stream = IterableBatches(numbered, batch_size=10, seed=2)
+    loader = DataLoader(stream, batch_size=None, num_workers=2, persistent_workers=True)
+    got = []
+    for epoch in range(2):
+        stream.set_epoch(epoch)  # as a new user writes it
+        got.append([ids(b) for b in loader])
+    assert got == epochs[:2] and got[0] != got[1]
+    stream.set_epoch(0)  # reaches the kept workers too
+    assert [ids(b) for b in loader] == epochs[0]
+    plain = DataLoader(stream, batch_size=None, num_workers=2)  # workers made again each epoch
+    stream.set_epoch(1)
+    assert [ids(b) for b in plain] == epochs[1] and [ids(b) for b in plain] == epochs[2]
+    ranks = [
+        [
+            ids(b)
+            for b in DataLoader(
+                IterableBatches(numbered, batch_size=10, seed=2, rank=r, world_size=2), batch_size=None, num_workers=2
+            )
+        ]
+        for r in range(2)
+    ]
+    assert [ranks[j % 2][j // 2] for j in range(2 * len(ranks[0]))] == epochs[0][: 2 * len(ranks[0])]
