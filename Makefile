@@ -8,8 +8,9 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
-	# CPU torch for the adapter tests, only where its wheel lies on local disk (never a GB download)
-	if ls /opt/wheels/torch-2.13.0* >/dev/null 2>&1; then $(PY) -m pip install -q torch==2.13.0; \
+	# CPU torch (and torchdata, for StatefulDataLoader) for the adapter tests, only where the torch
+	# wheel lies on local disk (never a GB download)
+	if ls /opt/wheels/torch-2.13.0* >/dev/null 2>&1; then $(PY) -m pip install -q torch==2.13.0 torchdata==0.11.0; \
 	else echo "no local torch wheel: the torch adapter tests will be skipped"; fi
 	touch $(STAMP)
 

@@ -142,8 +142,41 @@ def check_goals(results: dict[str, Any]) -> list[tuple[str, bool]]:
                 read["shuffled_vs_np_load"] >= 0.7,
             )
         )
+    if "loader" in results:
+        goals.extend(_loader_goals(results["loader"], results.get("read_peers") or {}))
     for text, met in goals:
         print(f"[{'met' if met else 'NOT met'}] {text}")
+    return goals
+
+
+def _loader_goals(loader: dict[str, Any], peers: dict[str, Any]) -> list[tuple[str, bool]]:
+    """Issue 29's figures: the loader's speed at mix=16, its shuffle beside a global permutation,
+    and one epoch through a DataLoader beside LitData and torchvision with the same workers."""
+    mix16, best = loader["mix_16"], loader["global_permutation"]
+    goals = [
+        (
+            f"loader, mix=16, uncompressed images >= 85% of np.load: {mix16['vs_np_load'] * 100:.0f}% "
+            f"({mix16['vs_np_load_per_batch'] * 100:.0f}% of np.load batch by batch)",
+            mix16["vs_np_load"] >= 0.85,
+        ),
+        (
+            f"mix=16: classes per batch >= 90% of a global permutation's: {mix16['classes_per_batch']:.2f} "
+            f"of {best['classes_per_batch']:.2f}",
+            mix16["classes_per_batch"] >= 0.9 * best["classes_per_batch"],
+        ),
+        (
+            f"mix=16: pairs sharing a batch again next epoch <= 2x a global permutation's: "
+            f"{mix16['pairs_again']:.4f} against {best['pairs_again']:.4f}",
+            mix16["pairs_again"] <= 2 * best["pairs_again"],
+        ),
+    ]
+    for key, ratio in sorted(peers.items()):
+        if key.startswith("vs_") and ratio is not None:
+            peer, workers = key[3:].split("_", 1)
+            need = 1.5 if peer == "litdata" else 10.0
+            goals.append(
+                (f"DataLoader epoch vs {peer}, {workers.replace('_', ' ')}: {ratio:.1f}x (>= {need}x)", ratio >= need)
+            )
     return goals
 
 

@@ -7,6 +7,7 @@ batch's rows can be checked against their sources and followed one by one across
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -22,29 +23,42 @@ from batchctl.read.loader import Loader
 from tests.conftest import ROOT, run_cli
 
 CLASSES, PER_CLASS, STORED = 5, 41, 8  # 205 samples: 25 full stored batches and a short one
+WIDTH = 1024  # int32s per row: 4 KiB, so uncompressed rows are read straight into output batches
 
 
 def make_numbered(root: Path, start: int, count: int, classes: int) -> None:
     for n in range(start, start + count):
         folder = root / f"c{n % classes}"
         folder.mkdir(parents=True, exist_ok=True)
-        np.save(folder / f"s{n:05d}.npy", np.array([n], dtype=np.int32))
+        np.save(folder / f"s{n:05d}.npy", np.full(WIDTH, n, dtype=np.int32))
 
 
-@pytest.fixture(scope="module")
-def numbered(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Class folders, built `--sorted`: each stored batch holds one or two classes."""
-    root = tmp_path_factory.mktemp("loader")
+def build_numbered(root: Path, compression: str) -> Path:
+    """Class folders, built `--sorted`: each stored batch holds one class or two."""
     make_numbered(root / "src", 0, CLASSES * PER_CLASS, CLASSES)
     out = root / "numbered.zarr"
-    result = run_cli("build", root / "src", "-o", out, "--preprocess", "npy", "--batch-size", STORED, "--sorted")
+    args = ("--preprocess", "npy", "--batch-size", STORED, "--sorted", "--compression", compression)
+    result = run_cli("build", root / "src", "-o", out, *args)
     assert result.returncode == 0, result.stderr
     return out
 
 
+@pytest.fixture(scope="module")
+def numbered(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_numbered(tmp_path_factory.mktemp("loader"), "none")
+
+
+@pytest.fixture(scope="module")
+def numbered_zstd(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_numbered(tmp_path_factory.mktemp("loader-zstd"), "zstd")
+
+
 def ids(batch: dict[str, Any]) -> list[int]:
-    """The samples of a batch, each checked against its own source path (a row never parts from its fields)."""
-    values = [int(v) for v in np.asarray(batch["array"]).reshape(-1)]
+    """The samples of a batch, each checked against its own source path and label, every value
+    of its row the same (a row never parts from its fields, nor is it torn)."""
+    rows = np.asarray(batch["array"])
+    assert (rows == rows[:, :1]).all()
+    values = [int(v) for v in rows[:, 0]]
     sources = [int(str(s).rsplit("s", 1)[1].split(".")[0]) for s in batch["source"]]
     assert values == sources
     labels = np.asarray(batch["label"]).tolist()
@@ -67,8 +81,11 @@ OPTION_SETS = [
 
 
 @pytest.mark.parametrize("options", OPTION_SETS)
-def test_every_sample_once_in_batches_of_any_size(numbered: Path, options: dict[str, Any]) -> None:
-    ds = batchctl.open(numbered)
+@pytest.mark.parametrize("stored", ["numbered", "numbered_zstd"])
+def test_every_sample_once_in_batches_of_any_size(
+    request: pytest.FixtureRequest, stored: str, options: dict[str, Any]
+) -> None:
+    ds = batchctl.open(request.getfixturevalue(stored))
     loader = ds.loader(**options)
     size = options.get("batch_size", STORED)
     epoch = epoch_ids(loader)
@@ -255,6 +272,23 @@ def test_iter_batches_is_the_whole_stored_batches(numbered: Path) -> None:
     assert len({tuple(b) for r in ranks for b in r}) == 24
 
 
+def test_a_damaged_chunk_read_by_the_loader_is_a_format_error(tmp_path: Path) -> None:
+    """Rows read straight into output batches are still checked: one flipped byte is caught."""
+    make_numbered(tmp_path / "src", 0, 64, CLASSES)
+    out = tmp_path / "d.zarr"
+    args = ("--preprocess", "npy", "--batch-size", 8, "--compression", "none")
+    result = run_cli("build", tmp_path / "src", "-o", out, *args)
+    assert result.returncode == 0, result.stderr
+    ds = batchctl.open(out)
+    assert epoch_ids(ds.loader(mix=4))  # whole, it reads
+    shard = next(p for p in (out / "array" / "c").rglob("*") if p.is_file())
+    data = bytearray(shard.read_bytes())
+    data[100] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(batchctl.FormatError, match="checksum does not match"):
+        list(batchctl.open(out).loader(mix=4))
+
+
 # --- PyTorch ---------------------------------------------------------------------------------
 
 
@@ -322,3 +356,47 @@ def test_torch_epochs_advance_with_persistent_workers(numbered: Path) -> None:
         for r in range(2)
     ]
     assert [ranks[j % 2][j // 2] for j in range(2 * len(ranks[0]))] == epochs[0][: 2 * len(ranks[0])]
+
+
+DDP_RANK = """
+import json, os, sys
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+from batchctl.torch import IterableBatches
+
+dist.init_process_group("gloo")  # rank, world size, address from the environment, as torchrun sets them
+stream = IterableBatches(sys.argv[1], batch_size=10, seed=2)
+got = [[int(v) for v in b["array"][:, 0]] for b in DataLoader(stream, batch_size=None, num_workers=2)]
+print(json.dumps({"rank": stream.rank, "world": stream.world_size, "steps": len(stream), "batches": got}))
+dist.destroy_process_group()
+"""
+
+
+def test_ranks_come_from_torch_distributed(numbered: Path) -> None:
+    """Two processes joined by torch.distributed (gloo, as torchrun starts them): each takes its
+    rank's share, split between its DataLoader workers, and together they make the one order."""
+    pytest.importorskip("torch")
+    from tests.conftest import free_port
+
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", DDP_RANK, str(numbered)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": str(r), "WORLD_SIZE": "2"},
+        )
+        for r in range(2)
+    ]
+    shares = {}
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        share = json.loads(out.strip().splitlines()[-1])
+        assert share["world"] == 2 and share["steps"] == len(share["batches"])
+        shares[share["rank"]] = share["batches"]
+    order = epoch_ids(batchctl.open(numbered).loader(batch_size=10, seed=2))
+    assert len(shares[0]) == len(shares[1]) == len(order) // 2
+    assert [shares[j % 2][j // 2] for j in range(len(order))] == order

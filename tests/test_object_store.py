@@ -102,6 +102,15 @@ def test_build_to_s3_reads_back_exactly_once_and_is_up_to_date(
         np.testing.assert_array_equal(image, local_rows[key])
     assert verify(url) == []
     assert not _fs(s3_endpoint).exists(f"{bucket}/.imgs.zarr.batchctl")  # no work objects left behind
+    # the training loader reads the bucket through zarr: its rows are those its order names
+    ds = batchctl.open(url)
+    loader = ds.loader(batch_size=5, mix=4, seed=2)
+    stored = np.concatenate([ds[i]["source"] for i in range(len(ds))])
+    got = [b for b in loader]
+    assert [b["source"].tolist() for b in got] == [stored[loader.order(0).rows(j)].tolist() for j in range(12)]
+    for batch in got:
+        for source, image in zip(batch["source"], batch["image"], strict=True):
+            np.testing.assert_array_equal(image, local_rows[(str(source), 0)])
 
     data = json.loads(run_cli("info", url, "--json").stdout)
     assert data["complete"] and data["num_samples"] == 60 and data["bytes"] > 0

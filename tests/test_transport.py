@@ -185,3 +185,24 @@ def test_fields_batchctl_cannot_store_are_refused_in_one_line(tmp_path: Path) ->
     for dtype in ("<U3", "complex64", "object"):
         with pytest.raises(batchctl.FormatError, match=f"'name' has data type {dtype}: batchctl stores integers"):
             fmt.create_arrays(files, {"name": fmt.FieldSpec((), dtype)}, layout, "zstd", False, 5)
+
+
+def test_crc32c_through_the_wheels_library_agrees_with_google_crc32c() -> None:
+    """batchctl.store.crc calls google-crc32c's own library through ctypes (the GIL released):
+    in use here, and the same checksums, whole or continued piece by piece, of any buffer."""
+    import google_crc32c
+
+    from batchctl.store import crc
+
+    assert crc.RELEASES_GIL  # the wheel's library was found: not the GIL-holding fallback
+    data = np.random.default_rng(0).integers(0, 256, 3_000_001, dtype=np.uint8)
+    expected = google_crc32c.value(data.tobytes())
+    assert crc.crc32c(data) == crc.crc32c(data.tobytes()) == crc.crc32c(bytearray(data.tobytes())) == expected
+    assert crc.crc32c(memoryview(data.tobytes())[1000:]) == google_crc32c.value(data.tobytes()[1000:])
+    pieces = np.array_split(data, 7)
+    running = 0
+    for piece in pieces:
+        running = crc.crc32c(piece, running)
+    assert running == expected and crc.crc32c(b"") == 0 and crc.crc32c(b"", 123) == 123
+    with pytest.raises(ValueError, match="contiguous"):
+        crc.crc32c(data[::2])

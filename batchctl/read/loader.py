@@ -20,20 +20,39 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, cast
 
 import numpy as np
 
 from batchctl.errors import ResumeMismatchError, UsageError
-
-if TYPE_CHECKING:
-    from batchctl.read.reader import Batch, Dataset
+from batchctl.store.format import SOURCE
 
 STATE_FORMAT = "batchctl.loader/1"
+
+Batch = dict[str, np.ndarray]
+
+
+class BatchSource(Protocol):
+    """What a loader reads: `batchctl.Dataset` (reader.py imports this module, not the reverse)."""
+
+    path: str
+    build_id: str
+    batch_size: int
+    num_samples: int
+
+    @property
+    def fields(self) -> dict[str, tuple[tuple[int, ...], np.dtype[Any]]]: ...
+
+    def __getitem__(self, index: int) -> Batch: ...
+
+    def read_field(self, name: str, index: int) -> np.ndarray: ...
+
+    def read_rows(self, name: str, index: int, rows: list[np.ndarray]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -77,6 +96,8 @@ class EpochOrder:
             stored += 1
         self.permute = options.shuffle and options.mix > 1
         self.epoch = epoch
+        self.slot = np.empty(stored, dtype=np.int64)  # each stored batch's place in its group
+        self.slot[self.visit] = np.arange(stored) % self.group
         lengths = np.full(stored, stored_batch, dtype=np.int64)
         if stored:
             lengths[-1] = num_samples - (stored - 1) * stored_batch
@@ -113,14 +134,24 @@ class EpochOrder:
         last = int(np.searchsorted(self.group_start, stop - 1, side="right")) - 1
         return range(first, last + 1)
 
-    def rows(self, batch: int) -> np.ndarray:
-        """Global row indices of output batch `batch`, in order."""
+    def parts(self, batch: int) -> list[tuple[int, np.ndarray]]:
+        """Output batch `batch` as (group, its global row indices) for each group it takes rows from."""
         start, stop = self._span(batch)
         parts = []
         for group in self.groups_of(batch):
             base = int(self.group_start[group])
-            parts.append(self.group_rows(group)[max(start - base, 0) : stop - base])
+            parts.append((group, self.group_rows(group)[max(start - base, 0) : stop - base]))
+        return parts
+
+    def rows(self, batch: int) -> np.ndarray:
+        """Global row indices of output batch `batch`, in order."""
+        parts = [rows for _, rows in self.parts(batch)]
         return np.concatenate(parts) if len(parts) > 1 else parts[0]
+
+    def in_group(self, rows: np.ndarray) -> np.ndarray:
+        """Where global rows lie in their group's rows laid end to end in visit order."""
+        stored, row = np.divmod(rows, self.stored_batch)
+        return self.slot[stored] * self.stored_batch + row
 
     def _span(self, batch: int) -> tuple[int, int]:
         if not 0 <= batch < self.batches:
@@ -178,7 +209,7 @@ class Loader:
 
     def __init__(
         self,
-        dataset: Dataset,
+        dataset: BatchSource,
         batch_size: int | None = None,
         shuffle: bool = True,
         seed: int = 0,
@@ -203,7 +234,7 @@ class Loader:
             raise UsageError(f"Expected 0 <= rank < world_size, got rank {rank!r}, world_size {world_size} instead.")
         self.rank, self.world_size = rank, world_size
         # one group read ahead by default, so the next group is read while this one is cut
-        self.prefetch = (self.options.mix if self.options.shuffle else 2) if prefetch is None else prefetch
+        self.prefetch = max(self.options.mix if self.options.shuffle else 1, 2) if prefetch is None else prefetch
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise UsageError(f"Expected prefetch to be an int >= 0, got {prefetch!r} instead.")
         self.epoch, self.position = 0, 0
@@ -286,39 +317,146 @@ class Loader:
             raise ResumeMismatchError(f"the state's epoch and position are not ints >= 0: {epoch!r}, {position!r}")
 
     def dataset_version(self) -> dict[str, Any]:
-        return {"build_id": self.dataset.attrs.build_id, "num_samples": self.dataset.num_samples}
+        return {"build_id": self.dataset.build_id, "num_samples": self.dataset.num_samples}
 
 
-def _read(dataset: Dataset, order: EpochOrder, batches: Iterable[int], prefetch: int) -> Iterator[Batch]:
+def _read(dataset: BatchSource, order: EpochOrder, batches: Iterable[int], prefetch: int) -> Iterator[Batch]:
     """Read and cut output batches. The groups the current output batch takes rows from are held,
-    and whole groups more are read ahead until `prefetch` stored batches are, one thread per
-    stored batch (up to the cores): reading, checksums and zstd release the GIL, so they overlap
-    one another and the caller's step."""
+    and whole groups more are read ahead until `prefetch` stored batches are, in a thread pool
+    (up to one thread per core): reading, checksums and zstd release the GIL, so they overlap one
+    another and the caller's step."""
     wanted = list(batches)
     if not wanted:
         return
     threads = max(1, min(prefetch, len(os.sched_getaffinity(0))))
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="batchctl-read") as pool:
-
-        def read_group(group: int) -> tuple[int, dict[int, Future[Batch]]]:
-            return group, {int(s): pool.submit(dataset.__getitem__, int(s)) for s in order.stored_of_group(group)}
-
-        held: deque[tuple[int, dict[int, Future[Batch]]]] = deque()  # groups in the order they are needed
+    pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="batchctl-read")
+    try:
+        reads = _GroupReads(dataset, order, pool, set(wanted))
+        held: deque[_Group] = deque()  # in the order they are needed
         upcoming = _group_visits(order, wanted)
         for batch in wanted:
             needs = len(order.groups_of(batch))
-            while held and held[0][0] != order.groups_of(batch)[0]:
+            while held and held[0].group != order.groups_of(batch)[0]:
                 held.popleft()  # groups before this batch's first are done with
             while len(held) < needs:
-                held.append(read_group(next(upcoming)))
-            ahead = sum(len(reads) for _, reads in list(held)[needs:])
+                held.append(reads.start(next(upcoming)))
+            ahead = sum(len(g.reads) for g in list(held)[needs:])
             for group in upcoming if ahead < prefetch else ():
-                held.append(read_group(group))
-                ahead += len(held[-1][1])
+                held.append(reads.start(group))
+                ahead += len(held[-1].reads)
                 if ahead >= prefetch:
                     break
-            stored = {s: f.result() for _, reads in list(held)[:needs] for s, f in reads.items()}
-            yield gather(stored, order.rows(batch), order.stored_batch)
+            yield reads.cut(batch, {g.group: g for g in list(held)[:needs]})
+    finally:  # a pass left part way: the reads not begun are dropped, not waited for
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+@dataclass
+class _Group:
+    group: int
+    reads: list[Future[Batch]]  # per stored batch, in visit order: the batch, or its `source` rows when scattered
+    sources: np.ndarray | None = None  # the group's `source` rows in visit order, once joined
+
+
+_ROW_BY_ROW = 4096  # bytes: rows at least this big are read straight into their output batch
+
+
+class _GroupReads:
+    """Starts a group's reads and cuts output batches from them.
+
+    In stored order (no shuffle, `mix=1`) an output batch is a view of its stored batch or a few
+    slices joined. With rows permuted, every output batch the group feeds is made as the group's
+    reads start, and each stored batch is read straight into the places its rows go: an
+    uncompressed chunk by one preadv into the rows of the output batches, others decoded and
+    then copied. Rows of output batches this rank (or worker) does not take are read into a
+    thread's scratch buffer: the checksum covers the whole chunk."""
+
+    def __init__(self, dataset: BatchSource, order: EpochOrder, pool: ThreadPoolExecutor, wanted: set[int]) -> None:
+        self.dataset, self.order, self.pool, self.wanted = dataset, order, pool, wanted
+        self.numeric = {name: field for name, field in dataset.fields.items() if name != SOURCE}
+        self.outputs: dict[int, Batch] = {}  # output batches being filled
+        self.local = threading.local()
+
+    def start(self, group: int) -> _Group:
+        stored = [int(s) for s in self.order.stored_of_group(group)]
+        if not self.order.permute:
+            return _Group(group, [self.pool.submit(self.dataset.__getitem__, s) for s in stored])
+        targets = self._targets(group)
+        size = self.order.stored_batch
+        return _Group(
+            group,
+            [
+                self.pool.submit(
+                    self._scatter, s, targets[0][k * size : (k + 1) * size], targets[1][k * size : (k + 1) * size]
+                )
+                for k, s in enumerate(stored)
+            ],
+        )
+
+    def _targets(self, group: int) -> tuple[np.ndarray, np.ndarray]:
+        """For each row of the group's stored batches laid end to end: its output batch (-1 for
+        a row no output batch takes here) and its place there. The output batches are made."""
+        order, size = self.order, self.order.options.batch_size
+        rows = order.group_rows(group)
+        batch, place = np.divmod(int(order.group_start[group]) + np.arange(len(rows)), size)
+        taken = np.isin(batch, list(self.wanted & set(np.unique(batch).tolist())))
+        target_batch = np.full(len(order.stored_of_group(group)) * order.stored_batch, -1, dtype=np.int64)
+        target_place = np.zeros_like(target_batch)
+        layout = order.in_group(rows)
+        target_batch[layout[taken]], target_place[layout[taken]] = batch[taken], place[taken]
+        for j in np.unique(batch[taken]).tolist():
+            if j not in self.outputs:
+                length = min(size, order.num_samples - j * size)
+                self.outputs[j] = {
+                    name: np.empty((length, *shape), dtype) for name, (shape, dtype) in self.numeric.items()
+                }
+        return target_batch, target_place
+
+    def _scatter(self, stored: int, batch: np.ndarray, place: np.ndarray) -> Batch:
+        """Stored batch `stored` into its rows' places (row r to output batch batch[r], place[r])."""
+        taken = np.flatnonzero(batch >= 0)
+        for name, (shape, dtype) in self.numeric.items():
+            outputs = [self.outputs[int(j)][name] if j >= 0 else None for j in batch.tolist()]
+            if np.dtype(dtype).itemsize * int(np.prod(shape)) >= _ROW_BY_ROW:
+                scratch = self._scratch(name, (len(batch), *shape), dtype)
+                rows = [
+                    out[p] if out is not None else scratch[r]
+                    for r, (out, p) in enumerate(zip(outputs, place.tolist(), strict=True))
+                ]
+                self.dataset.read_rows(name, stored, rows)
+            else:
+                values = self.dataset.read_field(name, stored)
+                for r in taken.tolist():
+                    cast(np.ndarray, outputs[r])[place[r]] = values[r]
+        return {SOURCE: self.dataset.read_field(SOURCE, stored)}
+
+    def _scratch(self, name: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        """This thread's buffer for the rows of a field no output batch here takes (reused)."""
+        scratch: dict[str, np.ndarray] = self.local.__dict__.setdefault("scratch", {})
+        if name not in scratch:
+            scratch[name] = np.empty(shape, dtype)
+        return scratch[name]
+
+    @staticmethod
+    def _sources(group: _Group) -> np.ndarray:
+        """The group's `source` rows in visit order (joined once its reads are done)."""
+        if group.sources is None:
+            group.sources = np.concatenate([read.result()[SOURCE] for read in group.reads])
+        return group.sources
+
+    def cut(self, batch: int, groups: dict[int, _Group]) -> Batch:
+        if not self.order.permute:
+            stored = {
+                s: f.result()
+                for g in groups.values()
+                for s, f in zip(self.order.stored_of_group(g.group).tolist(), g.reads, strict=True)
+            }
+            return gather(stored, self.order.rows(batch), self.order.stored_batch)
+        parts = self.order.parts(batch)
+        sources = [self._sources(groups[group])[self.order.in_group(rows)] for group, rows in parts]  # reads done
+        out = self.outputs.pop(batch)
+        out[SOURCE] = np.concatenate(sources) if len(sources) > 1 else sources[0]
+        return {name: out[name] for name in self.dataset.fields}
 
 
 def _group_visits(order: EpochOrder, batches: list[int]) -> Iterator[int]:

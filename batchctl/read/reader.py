@@ -10,17 +10,15 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from batchctl.errors import BatchctlError, FormatError
+from batchctl.read.loader import Batch, Loader
 from batchctl.store import format as fmt, storage
 
-if TYPE_CHECKING:
-    from batchctl.read.loader import Loader
-
-Batch = dict[str, np.ndarray]
+__all__ = ["Batch", "Dataset", "open"]
 
 
 class Dataset:
@@ -46,6 +44,7 @@ class Dataset:
             # metadata of the wrong types, nested without end, or of impossible sizes: never a traceback
             raise FormatError(f"{self.path}: the metadata is damaged ({type(exc).__name__}: {exc})") from None
         self.batch_size = self.attrs.batch_size
+        self.build_id = self.attrs.build_id  # the version: a loader's resume state names it
         self.num_samples = self.attrs.num_samples if self.attrs.complete else self._rows_present()
         self.num_batches = fmt.num_batches(self.num_samples, self.batch_size)
         self.classes: list[str] | None = self.attrs.classes
@@ -76,6 +75,30 @@ class Dataset:
 
     def read_field(self, name: str, index: int) -> np.ndarray:
         """Batch `index` of one field alone."""
+        index, start, stop = self._rows_of(index)
+        reader = self._fast[name]
+        if reader is None:
+            rows = self._read_zarr(name, self.arrays[name], start, stop)
+        else:
+            rows = reader.read(int(index))[: stop - start]
+        return fmt.decode_sources(rows) if name == fmt.SOURCE else rows
+
+    def read_rows(self, name: str, index: int, rows: list[np.ndarray]) -> None:
+        """Batch `index` of a numeric field, row i into `rows[i]` (one C-contiguous buffer per row
+        of a whole stored batch, rows past the dataset's end included): the loader's shuffles
+        put each row in its output batch as it is read, with no copy from a local shard file."""
+        index, start, stop = self._rows_of(index)
+        reader = self._fast[name]
+        if name == fmt.SOURCE or len(rows) != self.batch_size:
+            raise ValueError(f"expected {self.batch_size} row buffers of a numeric field, got {len(rows)} of {name}")
+        if reader is not None:
+            reader.read_rows(int(index), rows)
+            return
+        for row, values in zip(rows, self._read_zarr(name, self.arrays[name], start, stop), strict=False):
+            row[...] = values
+
+    def _rows_of(self, index: int) -> tuple[int, int, int]:
+        """The batch index (a negative one counted from the end) and its rows' range."""
         if not isinstance(index, (int, np.integer)):
             raise TypeError(f"Expected a batch index (int), got {type(index).__name__} instead.")
         if index < 0:
@@ -83,13 +106,7 @@ class Dataset:
         if not 0 <= index < self.num_batches:
             raise IndexError(f"batch {index} out of range: the dataset has {self.num_batches} batches")
         start = int(index) * self.batch_size
-        stop = min(start + self.batch_size, self.num_samples)
-        reader = self._fast[name]
-        if reader is None:
-            rows = self._read_zarr(name, self.arrays[name], start, stop)
-        else:
-            rows = reader.read(int(index))[: stop - start]
-        return fmt.decode_sources(rows) if name == fmt.SOURCE else rows
+        return int(index), start, min(start + self.batch_size, self.num_samples)
 
     def _read_zarr(self, name: str, arr: Any, start: int, stop: int) -> np.ndarray:
         shard = start // int(arr.shards[0] if arr.shards else arr.chunks[0])
@@ -143,8 +160,6 @@ class Dataset:
         epoch (`mix` stored batches' rows permuted together), one order for any number of ranks,
         and a resume state (`state_dict`) that continues exactly, on this or another world size.
         `prefetch` stored batches are read ahead (default: one group of `mix`). See `Loader`."""
-        from batchctl.read.loader import Loader
-
         return Loader(self, batch_size, shuffle, seed, mix, rank, world_size, drop_last, prefetch)
 
     def iter_batches(

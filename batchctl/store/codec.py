@@ -10,11 +10,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-import google_crc32c
 import numcodecs
 import numpy as np
 
 from batchctl.errors import FormatError
+from batchctl.store.crc import crc32c
 from batchctl.store.zarrmeta import ArrayMeta
 
 NO_CHUNK = 2**64 - 1  # an index entry of an empty chunk in the sharding_indexed codec
@@ -104,7 +104,7 @@ class ChunkEncoder:
         """One stored chunk back to its rows (for resuming a half-filled batch)."""
         if self.crc:
             data, stored = data[:-4], data[-4:]
-            if google_crc32c.value(bytes(data)) != int.from_bytes(stored, "little"):
+            if crc32c(data) != int.from_bytes(stored, "little"):
                 raise FormatError("the chunk checksum does not match")
         raw = self.compressor.decode(data) if self.compressor is not None else data
         return np.frombuffer(raw, dtype=self.dtype.newbyteorder("<")).reshape(self.chunk_shape).copy()
@@ -132,10 +132,10 @@ def read_shard_index(path: Path, shard_batches: int) -> list[list[int]]:
 def parse_shard_index(raw: bytes, shard_batches: int, where: str = "") -> np.ndarray:
     """A shard index's bytes as (offset, nbytes) rows, uint64, an absent chunk's NO_CHUNK;
     checked against its crc32c first (a mismatch is a `FormatError` naming `where`)."""
-    if len(raw) != shard_batches * 16 + 4 or google_crc32c.value(raw[:-4]) != int.from_bytes(raw[-4:], "little"):
+    if len(raw) != shard_batches * 16 + 4 or crc32c(raw[:-4]) != int.from_bytes(raw[-4:], "little"):
         raise FormatError(f"{where}: " * bool(where) + "the shard index checksum does not match")
     return np.frombuffer(raw[:-4], dtype="<u8").reshape(shard_batches, 2)
 
 
 def _crc32c_bytes(data: Any) -> bytes:
-    return int(google_crc32c.value(data)).to_bytes(4, "little")
+    return crc32c(data).to_bytes(4, "little")

@@ -1,0 +1,123 @@
+"""One training-read pass, in a process of its own, for benchmarks/read.py: batchctl's loader
+through a torch DataLoader, LitData's StreamingDataset + StreamingDataLoader on its `optimize()`
+output of the same arrays, or torchvision's ImageFolder + Resize/CenterCrop over the photos.
+
+    python read_peers.py batchctl DATASET WORKERS BATCH
+    python read_peers.py litdata-optimize DATASET OUT WORKERS
+    python read_peers.py litdata OUT WORKERS BATCH
+    python read_peers.py torchvision PHOTOS WORKERS BATCH
+
+Prints `RATE images/s` for the second of two epochs (the first warms the page cache and starts
+the workers; torchvision's one epoch, whose decoding dwarfs both).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+
+def timed_epochs(loader: Iterable[Any], epochs: int = 2) -> float:
+    rate = 0.0
+    for _ in range(epochs):
+        images, start = 0, time.perf_counter()
+        for batch in loader:
+            images += len(batch["image"])
+        rate = images / (time.perf_counter() - start)
+    return rate
+
+
+def run_batchctl(path: str, workers: int, batch: int) -> float:
+    from torch.utils.data import DataLoader
+
+    from batchctl.torch import IterableBatches
+
+    stream = IterableBatches(path, batch_size=batch, shuffle=True, mix=16)
+    kept = workers > 0
+    return timed_epochs(DataLoader(stream, batch_size=None, num_workers=workers, persistent_workers=kept))
+
+
+def litdata_optimize(path: str, out: str, workers: int) -> None:
+    from litdata import optimize
+
+    import batchctl
+
+    batches = [(path, i) for i in range(len(batchctl.open(path)))]
+    optimize(fn=_litdata_samples, inputs=batches, output_dir=out, num_workers=workers, chunk_bytes="64MB")
+
+
+_opened: dict[str, Any] = {}
+
+
+def _litdata_samples(item: tuple[str, int]) -> Iterator[dict[str, Any]]:
+    """The same preprocessed arrays: the image and label of each row of batchctl's batch i."""
+    import batchctl
+
+    path, index = item
+    ds = _opened.get(path) or _opened.setdefault(path, batchctl.open(path))
+    batch = ds[index]
+    for image, label in zip(batch["image"], batch["label"], strict=True):
+        yield {"image": image, "label": int(label)}
+
+
+def run_litdata(out: str, workers: int, batch: int) -> float:
+    from litdata import StreamingDataLoader, StreamingDataset
+
+    dataset = StreamingDataset(out, shuffle=True, drop_last=True)
+    return timed_epochs(StreamingDataLoader(dataset, batch_size=batch, num_workers=workers))
+
+
+def run_torchvision(photos: str, workers: int, batch: int) -> float:
+    """ImageFolder + Resize(256) + CenterCrop(224) in a shuffled DataLoader. Where torchvision
+    does not import (PyPI's wheel is the CUDA build, which a CPU torch cannot load), the same
+    work on PIL: batchctl's image preprocessing is torchvision's Resize + CenterCrop, tested
+    against it (tests/reference.py)."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    try:
+        from torchvision import datasets, transforms
+
+        pipeline = transforms.Compose([transforms.Resize(256), transforms.CenterCrop(224), transforms.PILToTensor()])
+        folder: Any = datasets.ImageFolder(photos, transform=pipeline)
+    except (ImportError, RuntimeError):
+        folder = _PhotoFolder(photos)
+        print("STANDIN torchvision does not import here: the same decode, Resize and CenterCrop on PIL")
+    loader = DataLoader(folder, batch_size=batch, shuffle=True, num_workers=workers, drop_last=True)
+    images, start = 0, time.perf_counter()
+    for image, _label in loader:
+        assert isinstance(image, torch.Tensor)
+        images += len(image)
+    return images / (time.perf_counter() - start)
+
+
+class _PhotoFolder:
+    """ImageFolder's listing (class folders, sorted) and one photo decoded per item."""
+
+    def __init__(self, root: str) -> None:
+        from pathlib import Path
+
+        classes = sorted(p.name for p in Path(root).iterdir() if p.is_dir())
+        self.items = [(f, c) for c, name in enumerate(classes) for f in sorted((Path(root) / name).iterdir())]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> tuple[Any, int]:
+        import torch
+
+        from batchctl.preprocess.image import preprocess_image
+
+        path, label = self.items[index]
+        return torch.from_numpy(preprocess_image(path)["image"]).permute(2, 0, 1), label
+
+
+if __name__ == "__main__":
+    mode, *args = sys.argv[1:]
+    if mode == "litdata-optimize":
+        litdata_optimize(args[0], args[1], int(args[2]))
+        sys.exit(0)
+    run = {"batchctl": run_batchctl, "litdata": run_litdata, "torchvision": run_torchvision}[mode]
+    print("RATE", run(args[0], int(args[1]), int(args[2])), flush=True)
