@@ -244,8 +244,10 @@ def test_a_state_of_another_version_or_options_is_refused(tmp_path: Path) -> Non
     assert "\n" not in str(caught.value)
     with pytest.raises(batchctl.ResumeMismatchError, match="not a batchctl loader state"):
         loader.load_state_dict({"epoch": 1})
-    with pytest.raises(batchctl.UsageError, match="batch_size to be a positive int"):
+    with pytest.raises(batchctl.UsageError, match="batch_size to be an int >= 1"):
         batchctl.open(out).loader(batch_size=0)
+    numpy_ints = batchctl.open(out).loader(batch_size=np.int64(5), seed=np.int64(3))
+    json.dumps(numpy_ints.state_dict())  # options given as NumPy ints still make a JSON state
 
 
 def test_mixing_raises_classes_per_batch(numbered: Path) -> None:

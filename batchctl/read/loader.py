@@ -66,13 +66,15 @@ class OrderOptions:
     mix: int
     drop_last: bool
 
-    def check(self) -> None:
-        for name in ("batch_size", "mix"):
+    def checked(self) -> OrderOptions:
+        """These options with plain ints (a NumPy int would not go into a JSON state), or a UsageError."""
+        for name, least in (("batch_size", 1), ("mix", 1), ("seed", 0)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-                raise UsageError(f"Expected {name} to be a positive int, got {value!r} instead.")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or self.seed < 0:
-            raise UsageError(f"Expected seed to be an int >= 0, got {self.seed!r} instead.")
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+                raise UsageError(f"Expected {name} to be an int >= {least}, got {value!r} instead.")
+        return OrderOptions(
+            int(self.batch_size), bool(self.shuffle), int(self.seed), int(self.mix), bool(self.drop_last)
+        )
 
 
 class EpochOrder:
@@ -238,20 +240,14 @@ class Loader:
         prefetch: int | None = None,
     ) -> None:
         self.dataset = dataset
-        self.options = OrderOptions(
-            batch_size=dataset.batch_size if batch_size is None else batch_size,
-            shuffle=bool(shuffle),
-            seed=seed,
-            mix=mix,
-            drop_last=bool(drop_last),
-        )
-        self.options.check()
+        size = dataset.batch_size if batch_size is None else batch_size
+        self.options = OrderOptions(size, bool(shuffle), seed, mix, bool(drop_last)).checked()
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise UsageError(f"Expected world_size to be a positive int, got {world_size!r} instead.")
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
             raise UsageError(f"Expected 0 <= rank < world_size, got rank {rank!r}, world_size {world_size} instead.")
         self.rank, self.world_size = rank, world_size
-        # one group read ahead by default, so the next group is read while this one is cut
+        # one group read ahead by default (at least 2 batches), so the next group is read while this one is cut
         self.prefetch = max(self.options.mix if self.options.shuffle else 1, 2) if prefetch is None else prefetch
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise UsageError(f"Expected prefetch to be an int >= 0, got {prefetch!r} instead.")
