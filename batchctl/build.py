@@ -5,12 +5,14 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import hashlib
+import json
 import math
 import os
 import shutil
+import sys
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict, Unpack
@@ -30,7 +32,7 @@ from batchctl.errors import (
 from batchctl.plan import incremental
 from batchctl.plan.discover import Discovery, discover, hash_files
 from batchctl.preprocess import Preprocessor, resolve
-from batchctl.progress import Progress
+from batchctl.progress import ConsoleProgress, Progress
 from batchctl.records import (
     Finished,
     Rejected,
@@ -125,13 +127,16 @@ def dataset_spec(options: BuildOptions, preprocessor: Preprocessor, pp_options: 
         "batch_size": options.batch_size,
         "shard_batches": options.shard_batches,
         "compression": options.compression,
-        "preprocess": {"name": preprocessor.name, "options": dict(pp_options)},
+        "preprocess": {"name": preprocessor.name, "options": dict(pp_options), "code": preprocessor.code},
         "include": list(options.include),
     }
 
 
 class BuildKwargs(TypedDict, total=False):
-    """`build()`'s keyword arguments: the fields of `BuildOptions` (a test keeps the two alike)."""
+    """`build()`'s keyword arguments: every `batchctl build` option under its own name, with its
+    meaning (`strict`, `sorted`, `resize`, `option`, `storage_option`, `report`, `quiet`, ...),
+    and the fields of `BuildOptions` they come down to (`max_errors`, `preprocess_options`, ...).
+    Tests keep both sets here."""
 
     batch_size: int
     workers: int
@@ -145,10 +150,81 @@ class BuildKwargs(TypedDict, total=False):
     force: bool
     checksum: bool
     timeout: float | None
-    include: tuple[str, ...]
+    include: Sequence[str]
     storage_options: Mapping[str, object]
     engine: str
     scheduler: str | None
+    # the CLI's own spellings
+    strict: bool  # max_errors=0
+    sorted: bool  # seed=None: files dispatched in path order
+    resize: int
+    crop: int
+    layout: str
+    sample_rate: int
+    clip_seconds: float
+    key: str
+    split_rows: bool
+    option: Mapping[str, object] | Sequence[str]  # preprocessor options: a dict, or "key=value" texts
+    storage_option: Mapping[str, object] | Sequence[str]  # fsspec options: a dict, or "key=value" texts
+    report: str | os.PathLike[str]  # the JSON report, written whatever the outcome
+    quiet: bool  # print progress and the summary as the CLI does (False), or errors only (True)
+
+
+PREPROCESS_FLAGS = ("resize", "crop", "layout", "sample_rate", "clip_seconds", "key", "split_rows")
+
+
+def parse_option(text: str) -> tuple[str, Any]:
+    """`key=value` with value read as JSON when it parses (numbers, true/false), else as text."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise UsageError(f"Expected --option key=value, got {text!r} instead.")
+    try:
+        return key, json.loads(raw)
+    except ValueError:
+        return key, raw
+
+
+def build_options(**given: Any) -> BuildOptions:
+    """`BuildOptions` from `build()`'s keywords (the CLI's names or the fields themselves)."""
+    kwargs = dict(given)
+    if kwargs.pop("strict", False):
+        if kwargs.get("max_errors") not in (None, 0):
+            raise UsageError(f"strict means max_errors=0; got max_errors={kwargs['max_errors']!r} too.")
+        kwargs["max_errors"] = 0
+    if kwargs.pop("sorted", False):
+        kwargs["seed"] = None
+    pp_options = dict(kwargs.pop("preprocess_options", None) or {})
+    pp_options.update(_key_values(kwargs.pop("option", None), parse_option))
+    for name in PREPROCESS_FLAGS:
+        value = kwargs.pop(name, None)
+        if value is not None and value is not False:
+            pp_options[name] = value
+    kwargs["preprocess_options"] = pp_options
+    store = dict(kwargs.pop("storage_options", None) or {})
+    store.update(_key_values(kwargs.pop("storage_option", None), lambda text: storage.parse_storage_options([text])))
+    kwargs["storage_options"] = store
+    kwargs["include"] = tuple(kwargs.get("include") or ())
+    known = {f.name for f in dataclasses.fields(BuildOptions)}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        names = sorted(known | set(BuildKwargs.__annotations__) - {"report", "quiet"})
+        raise UsageError(f"build() takes no option {', '.join(unknown)}; its options are {', '.join(names)}.")
+    return BuildOptions(**kwargs)
+
+
+def _key_values(given: Any, parse: Callable[[str], Any]) -> dict[str, Any]:
+    """A dict as it is, or "key=value" texts parsed one by one."""
+    if given is None:
+        return {}
+    if isinstance(given, Mapping):
+        return dict(given)
+    if isinstance(given, str):
+        given = [given]
+    found: dict[str, Any] = {}
+    for text in given:
+        parsed = parse(text)
+        found.update(parsed if isinstance(parsed, Mapping) else dict([parsed]))
+    return found
 
 
 def build(
@@ -158,16 +234,34 @@ def build(
     **options: Unpack[BuildKwargs],
 ) -> BuildReport:
     """Preprocess every file under `source` into the sharded dataset `output` (by default SOURCE's
-    name plus `.zarr`, beside it).
+    name plus `.zarr`, beside it). The options are `batchctl build`'s, as keywords of the same
+    names (`BuildKwargs`).
 
     Returns the report of a complete (or already up-to-date) build; raises `BuildFailed` or
     `BuildInterrupted`, both carrying the report, when it ends otherwise.
     """
     leave_if_reimporting_main()
-    opts = BuildOptions(**options)
+    given: dict[str, Any] = dict(options)
+    report_path, quiet = given.pop("report", None), given.pop("quiet", None)
+    opts = build_options(**given)
+    if progress is None:
+        progress = Progress() if quiet is None else ConsoleProgress(quiet=bool(quiet))
     where = storage.default_output(source) if output is None else storage.normalise(output)
-    builder = _Builder(storage.normalise(source), where, opts, progress or Progress())
-    return builder.run()
+    builder = _Builder(storage.normalise(source), where, opts, progress)
+    try:
+        result = builder.run()
+    except (BuildFailed, BuildInterrupted) as exc:
+        _write_report(exc.report, report_path)
+        raise
+    _write_report(result, report_path)
+    if quiet is False:
+        print(result.summary(), file=sys.stderr)
+    return result
+
+
+def _write_report(report: BuildReport, path: str | os.PathLike[str] | None) -> None:
+    if path is not None:
+        report.write(Path(path))
 
 
 class _Builder:
@@ -193,7 +287,7 @@ class _Builder:
         if storage.is_url(self.output):
             _check_store_reachable(self.paths)
         elif not self.paths.output.parent.is_dir():
-            raise UsageError(f"OUTPUT's folder {self.paths.output.parent} does not exist.")
+            _make_folder(self.paths.output.parent)
         self.work.check()
         try:
             lock = BuildLock(self.paths.lock).acquire()
@@ -318,7 +412,7 @@ class _Builder:
         discovery = discover(
             self.source, self.preprocessor.accepts, self.options.seed, self.options.storage_options, self.output
         )
-        self.report.ignored = discovery.ignored
+        self.report.ignored, self.report.ignored_paths = discovery.ignored, discovery.ignored_paths
         return discovery
 
     def _fingerprint(self, discovery: Discovery) -> str:
@@ -767,6 +861,8 @@ class _Builder:
         self.report.errors.append(FileError(relpath, reason, retry))
         self.progress.error(relpath, reason)
         limit = self.options.max_errors
+        if limit == 0:
+            raise BuildFailed(f"{relpath} was skipped ({reason}) and --strict allows no skipped file", self.report)
         if limit is not None and len(self.report.errors) > limit:
             raise BuildFailed(f"more than {limit} files were skipped with errors (--max-errors {limit})", self.report)
 
@@ -794,6 +890,7 @@ class _Builder:
             num_shards=finished.shards if finished else 0,
             errors=len(self.report.errors),
             ignored=discovery.ignored,
+            ignored_paths=discovery.ignored_paths,
             skipped=[[error.source, error.error] for error in self.report.errors[: meta.MAX_SKIPPED_LISTED]],
         )
 
@@ -818,9 +915,40 @@ class _Builder:
         return self.report
 
 
+def _make_folder(folder: Path) -> None:
+    """OUTPUT's folder and those above it, as `mkdir -p` makes them."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"cannot make OUTPUT's folder {folder}: {_os_error_text(exc)}") from None
+
+
 def _differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
-    """`key was A, now B` for each option that differs."""
-    return [f"{key} was {old.get(key)!r}, now {new.get(key)!r}" for key in new if old.get(key) != new.get(key)]
+    """`key was A, now B` for each option that differs (the preprocessor's parts one by one)."""
+    found = []
+    for key in new:
+        was, now = old.get(key), new.get(key)
+        if was == now:
+            continue
+        if key == "preprocess" and isinstance(was, Mapping) and isinstance(now, Mapping):
+            found.extend(_preprocess_differences(was, now))
+        else:
+            found.append(f"{key} was {was!r}, now {now!r}")
+    return found
+
+
+def _preprocess_differences(was: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+    if was.get("name") != now.get("name"):
+        return [f"the preprocessor was {was.get('name')}, now {now.get('name')}"]
+    found = []
+    if was.get("options") != now.get("options"):
+        found.append(f"the preprocessor's options were {was.get('options')!r}, now {now.get('options')!r}")
+    if was.get("code") != now.get("code"):
+        name = str(now.get("name"))
+        plugin = name.rpartition(":")[0] if ":" in name else ""  # its file or module
+        versions = f"{was.get('code')} -> {now.get('code')}"  # a built-in's
+        found.append(f"the preprocessor's code changed: {plugin or versions}")
+    return found
 
 
 def _mismatch_text(state: Mapping[str, Any], spec: Mapping[str, Any], source: str) -> str:

@@ -37,7 +37,7 @@ app = typer.Typer(
     help="Preprocess a folder of files once, offline, into sharded Zarr v3 batches.\n\n" + EXIT_CODES,
     pretty_exceptions_enable=False,
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # --install-completion, --show-completion (bash, zsh, fish, PowerShell)
     rich_markup_mode=None,  # plain help that wraps at word boundaries in any width
 )
 
@@ -45,17 +45,6 @@ app = typer.Typer(
 def _fail(message: str, code: int) -> NoReturn:
     typer.echo(f"batchctl: error: {message}", err=True)
     raise typer.Exit(code)
-
-
-def _parse_option(text: str) -> tuple[str, Any]:
-    """`key=value` with value read as JSON when it parses (numbers, true/false), else as text."""
-    key, sep, raw = text.partition("=")
-    if not sep or not key:
-        raise UsageError(f"Expected --option key=value, got {text!r} instead.")
-    try:
-        return key, json.loads(raw)
-    except ValueError:
-        return key, raw
 
 
 def _version(value: bool) -> None:
@@ -166,18 +155,30 @@ def build(
     """Preprocess every file under SOURCE into batches and write them to OUTPUT (a folder, or a URL
     of an object store such as s3://bucket/data.zarr)."""
     progress = ConsoleProgress(quiet=quiet)
+    # the Python API's keywords are these options' names: it maps them (build.build_options)
     options: dict[str, Any] = {
         "batch_size": batch_size,
         "preprocess": preprocess,
-        "seed": None if sorted_order else seed,
+        "include": include,
+        "resize": resize,
+        "crop": crop,
+        "layout": layout,
+        "sample_rate": sample_rate,
+        "clip_seconds": clip_seconds,
+        "key": key,
+        "split_rows": split_rows,
+        "option": option,
+        "seed": seed,
+        "sorted": sorted_order,
         "shard_batches": shard_batches,
         "compression": compression,
-        "max_errors": 0 if strict else max_errors,
+        "strict": strict,
+        "max_errors": max_errors,
         "resume": resume,
         "force": force,
         "checksum": checksum,
         "timeout": timeout,
-        "include": tuple(include or ()),
+        "storage_option": storage_option,
         "engine": engine,
         "scheduler": scheduler,
     }
@@ -185,19 +186,6 @@ def build(
         options["workers"] = workers
     try:
         _check_writable_destination(report, "--report")
-        options["storage_options"] = parse_storage_options(storage_option or [])
-        pp_options = dict(_parse_option(text) for text in option or [])
-        named = {
-            "resize": resize,
-            "crop": crop,
-            "layout": layout,
-            "sample_rate": sample_rate,
-            "clip_seconds": clip_seconds,
-            "key": key,
-            "split_rows": split_rows or None,
-        }
-        pp_options.update({name: value for name, value in named.items() if value is not None})
-        options["preprocess_options"] = pp_options
         from batchctl.build import build as run_build
 
         check_signalled()  # one that came during those imports, should a library have swallowed it
@@ -261,6 +249,11 @@ def _describe(data: dict[str, Any]) -> str:
         lines += [f"    {entry['source']}: {entry['error']}" for entry in data["skipped"][:SKIPPED_SHOWN]]
         if data["errors"] > SKIPPED_SHOWN:
             lines.append(f"    ... and {data['errors'] - SKIPPED_SHOWN} more (info --json lists up to 1000)")
+    if data["ignored_paths"]:
+        lines.append("  ignored (not taken by the preprocessor, or not regular files):")
+        lines += [f"    {path}" for path in data["ignored_paths"][:SKIPPED_SHOWN]]
+        if data["ignored"] > SKIPPED_SHOWN:
+            lines.append(f"    ... and {data['ignored'] - SKIPPED_SHOWN} more (info --json lists up to 1000)")
     return "\n".join(lines)
 
 
@@ -291,7 +284,7 @@ def verify(
     if problems:
         _fail(f"{path}: {len(problems)} problems found", 1)
     if not quiet:
-        typer.echo(f"{path}: sound ({total} batches read and checked)", err=True)
+        typer.echo(f"{path}: OK ({total} batches read and checked)", err=True)
 
 
 @app.command(epilog=EXIT_CODES)
@@ -313,6 +306,10 @@ def preview(
         _fail(str(exc), 2)
     except BatchctlError as exc:
         _fail(str(exc), 1)
+    if isinstance(drawn, str):  # neither images nor audio: the rows themselves
+        typer.echo(drawn)
+        typer.echo(f"{path} has no image or audio field to draw: batch {batch}'s first rows above", err=True)
+        return
     typer.echo(f"wrote {drawn} samples of batch {batch} to {output}", err=True)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
     from tqdm import tqdm
@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 # metadata) is not worth paying under cron, systemd or a pipe, nor with --quiet.
 
 LOG_INTERVAL_S = 5.0
+SAME_REASON_LISTED = 3  # files named per skip reason before the rest are counted
 
 
 class Progress:
@@ -46,6 +47,7 @@ class ConsoleProgress(Progress):
         self.total = self.done = self.batch_count = 0
         self.unit = "file"
         self.started = self.last_log = time.monotonic()
+        self.reasons: dict[str, list[Any]] = {}  # reason -> [files skipped for it, the first]
 
     def start(self, tasks: int, batches_done: int, split: bool = False) -> None:
         self.total, self.batch_count, self.unit = tasks, batches_done, "part" if split else "file"
@@ -81,7 +83,20 @@ class ConsoleProgress(Progress):
         )
 
     def error(self, source: str, reason: str) -> None:
-        self._write(f"skipped {source}: {reason}")
+        """One line per skipped file, but a reason shared by many files (a plugin's bug, a wrong
+        --option) is listed for its first few and then counted, in one line at the end."""
+        tally = self.reasons.setdefault(reason, [0, source])
+        tally[0] += 1
+        if tally[0] <= SAME_REASON_LISTED:
+            self._write(f"skipped {source}: {reason}")
+        elif tally[0] == SAME_REASON_LISTED + 1:
+            self._write(f"skipping more files for the same reason; counted at the end ({reason})")
+
+    def _reason_counts(self) -> None:
+        for reason, (count, first) in self.reasons.items():
+            if count > SAME_REASON_LISTED:
+                self._write(f"skipped {count} files: {reason} (the first {first}); --report FILE lists them all")
+        self.reasons.clear()
 
     def info(self, text: str) -> None:
         if not self.quiet:
@@ -98,3 +113,4 @@ class ConsoleProgress(Progress):
             if bar is not None:
                 bar.close()
         self.files = self.batches = None
+        self._reason_counts()

@@ -50,6 +50,7 @@ class BuildReport:
     kept_samples: int = 0  # an incremental build: samples of unchanged files kept from the last build
     errors: list[FileError] = field(default_factory=list)
     ignored: int = 0
+    ignored_paths: list[str] = field(default_factory=list)  # the first 1000 of them
     elapsed_s: float = 0.0
     samples_per_s: float = 0.0
     message: str = ""
@@ -57,8 +58,10 @@ class BuildReport:
     in_place: bool = False  # the dataset at OUTPUT is being written in place (an object store has no rename)
 
     def to_json(self) -> dict[str, Any]:
-        """The report; an incremental build's `added`, `changed` and `removed` at the top level."""
+        """The report; an incremental build's `added`, `changed` and `removed` at the top level,
+        and the files ignored (`{"count", "paths"}`, the first 1000 named)."""
         out = asdict(self)
+        out["ignored"] = {"count": self.ignored, "paths": out.pop("ignored_paths")}  # as `added` and the others
         changes = out.pop("changes")
         out.update(changes or {"added": None, "changed": None, "removed": None, "retried": None})
         return out
@@ -97,7 +100,8 @@ class BuildReport:
         if self.resumed_samples:
             text += f" ({count_of(self.resumed_samples, 'sample')} kept from an interrupted run)"
         text += f", {len(self.errors)} skipped with errors, {self.ignored} ignored; "
-        text += f"{self.elapsed_s:.1f} s, {self.samples_per_s:.1f} samples/s."
+        rate = f", {self.samples_per_s:.1f} samples/s" if self.processed else ""  # none new: no rate to give
+        text += f"{self.elapsed_s:.1f} s{rate}."
         return text
 
 

@@ -86,6 +86,7 @@ def test_metadata_records_the_build(built: tuple) -> None:
     assert attrs["preprocess"] == {
         "name": "image",
         "options": {"resize": 256, "crop": 224, "layout": "hwc", "draft": True},
+        "code": "image/1",
     }
     assert attrs["batchctl_version"] == batchctl.__version__
     assert attrs["created"] and attrs["errors"] == 0 and attrs["ignored"] == 0
@@ -96,7 +97,8 @@ def test_report_and_summary(built: tuple) -> None:
     _, report_path, result = built
     report = json.loads(report_path.read_text())
     assert report["status"] == "complete"
-    assert (report["samples"], report["processed"], report["errors"], report["ignored"]) == (60, 60, [], 0)
+    assert (report["samples"], report["processed"], report["errors"]) == (60, 60, [])
+    assert report["ignored"] == {"count": 0, "paths": []}
     assert report["elapsed_s"] > 0 and report["samples_per_s"] > 0
     assert "60 samples in 8 batches, 4 shards" in result.stderr  # type: ignore[attr-defined]
     assert "Traceback" not in result.stderr  # type: ignore[attr-defined]
@@ -122,7 +124,9 @@ def test_corrupt_files_are_skipped_named_and_counted(image_folder: Path, tmp_pat
     assert sorted(line.split(":")[0] for line in lines) == ["skipped cat/broken.jpg", "skipped cat/empty.png"]
     data = json.loads(report.read_text())
     assert sorted(e["source"] for e in data["errors"]) == ["cat/broken.jpg", "cat/empty.png"]
-    assert data["ignored"] == 1
+    assert data["ignored"] == {"count": 1, "paths": ["cat/notes.txt"]}  # named, in the report and in `info`
+    info = run_cli("info", out)
+    assert "ignored (not taken by the preprocessor, or not regular files):\n    cat/notes.txt" in info.stdout
     ds = batchctl.open(out)
     assert ds.num_samples == 20
     assert set(np.concatenate([b["source"] for b in ds])) == image_files(src) - {"cat/broken.jpg", "cat/empty.png"}
@@ -305,9 +309,14 @@ def test_python_api_works_from_a_thread(image_folder: Path, tmp_path: Path) -> N
     assert reports and reports[0].status == "complete" and reports[0].samples == 20
 
 
-def test_build_takes_as_keywords_exactly_the_build_options() -> None:
+def test_build_takes_as_keywords_the_build_options_and_every_cli_option() -> None:
     import dataclasses
+    import inspect
 
     from batchctl.build import BuildKwargs, BuildOptions
+    from batchctl.cli import build as cli_build
 
-    assert set(BuildKwargs.__annotations__) == {f.name for f in dataclasses.fields(BuildOptions)}
+    keywords = set(BuildKwargs.__annotations__)
+    assert {f.name for f in dataclasses.fields(BuildOptions)} <= keywords
+    cli = {"sorted" if name == "sorted_order" else name for name in inspect.signature(cli_build).parameters}
+    assert cli - {"source", "output"} <= keywords, cli - keywords

@@ -56,7 +56,7 @@ def test_fifos_and_sockets_are_ignored_and_counted(classes: Path, tmp_path: Path
     result = run_cli("build", src, "-o", tmp_path / "o.zarr", "--report", report, *SMALL, timeout=60)
     assert result.returncode == 0, result.stderr
     data = json.loads(report.read_text())
-    assert data["ignored"] == 1 and data["samples"] == 12
+    assert data["ignored"] == {"count": 1, "paths": ["y.jpg"]} and data["samples"] == 12
 
 
 def test_a_name_that_is_not_utf8_is_skipped_in_one_line(classes: Path, tmp_path: Path) -> None:
@@ -209,4 +209,4 @@ def test_a_plugin_declares_the_files_it_takes(tmp_path: Path) -> None:
     result = run_cli("build", src, "-o", tmp_path / "o.zarr", "--preprocess", plugin, "--report", report)
     assert result.returncode == 0, result.stderr
     data = json.loads(report.read_text())
-    assert data["samples"] == 3 and data["ignored"] == 1 and data["errors"] == []
+    assert data["samples"] == 3 and data["ignored"] == {"count": 1, "paths": ["README.md"]} and data["errors"] == []

@@ -17,6 +17,8 @@ from batchctl.errors import UsageError
 from batchctl.records import WorkItem
 from batchctl.store import storage
 
+IGNORED_LISTED = 1000  # ignored files named (all are counted)
+
 
 @dataclass
 class Discovery:
@@ -24,6 +26,7 @@ class Discovery:
     classes: list[str] | None
     ignored: int = 0
     unreadable: list[tuple[str, str]] = field(default_factory=list)
+    ignored_paths: list[str] = field(default_factory=list)  # the first IGNORED_LISTED, in walk order
 
     def fingerprint(
         self, options: object, leave_out: Collection[str] = (), digests: Mapping[str, str] | None = None
@@ -135,7 +138,7 @@ def discover(
     if not Path(source).is_dir():
         raise UsageError(f"SOURCE {source} is not a folder.")
     found: list[tuple[str, int, int]] = []
-    ignored = 0
+    ignored: list[str] = []
     unreadable: list[tuple[str, str]] = []
     for rel, stat in walk_files(Path(source), skip):
         if not (rel.isascii() or _utf8(rel)):
@@ -143,11 +146,11 @@ def discover(
         elif isinstance(stat, FolderError):
             unreadable.append((rel, stat.strerror or str(stat)))
         elif not accepts(rel):
-            ignored += 1
+            ignored.append(rel)
         elif isinstance(stat, OSError):
             unreadable.append((rel, stat.strerror or str(stat)))
         elif not S_ISREG(stat.st_mode):
-            ignored += 1
+            ignored.append(rel)
         else:
             found.append((rel, stat.st_size, stat.st_mtime_ns))
     return _labelled(found, ignored, unreadable, seed)
@@ -188,13 +191,14 @@ def _discover_url(
         raise UsageError(f"SOURCE {source} cannot be listed: {exc}") from None
     if not listing:
         raise UsageError(f"SOURCE {source}: no objects there.")
-    found, ignored = [], 0
+    found: list[tuple[str, int, int]] = []
+    ignored: list[str] = []
     for name, entry in sorted(listing.items()):
         rel = name[len(root) :].lstrip("/")
         if any(part.startswith(".") for part in rel.split("/")) or (skip and (rel + "/").startswith(skip + "/")):
             continue
         if not accepts(rel):
-            ignored += 1
+            ignored.append(rel)
             continue
         modified = entry.get("LastModified") or entry.get("mtime") or 0
         stamp = int(modified.timestamp() * 1e9) if hasattr(modified, "timestamp") else int(float(modified) * 1e9)
@@ -203,7 +207,7 @@ def _discover_url(
 
 
 def _labelled(
-    found: list[tuple[str, int, int]], ignored: int, unreadable: list[tuple[str, str]], seed: int | None
+    found: list[tuple[str, int, int]], ignored: list[str], unreadable: list[tuple[str, str]], seed: int | None
 ) -> Discovery:
     nested = sorted({rel.split("/", 1)[0] for rel, _, _ in found if "/" in rel})
     classes = nested or None
@@ -215,7 +219,7 @@ def _labelled(
         elif "/" in rel:
             items.append(WorkItem(rel, class_ids[rel.split("/", 1)[0]], size, mtime_ns))
         else:
-            ignored += 1
+            ignored.append(rel)  # beside the class folders: no class
     if seed is not None:  # (numpy's permutation: random.shuffle took ~0.7 us a file, a sixth of the walk)
         items = [items[i] for i in np.random.default_rng(seed).permutation(len(items)).tolist()]
-    return Discovery(items, classes, ignored, unreadable)
+    return Discovery(items, classes, len(ignored), unreadable, ignored[:IGNORED_LISTED])

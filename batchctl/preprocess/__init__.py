@@ -50,19 +50,29 @@ def resolve(spec: str) -> Preprocessor:
         )
     where, _, attr = spec.rpartition(":")
     if where.endswith(".py"):
-        where = str(Path(where).absolute())  # workers may resolve it from elsewhere
+        where = str(Path(where).resolve())  # one name however it was typed; workers may resolve it from elsewhere
     module = _load_module(where, spec)
     fn = getattr(module, attr, None)
     if fn is None:
         raise UsageError(f"--preprocess {spec}: {where} has no function {attr!r}.")
     if not callable(fn):
         raise UsageError(f"--preprocess {spec}: {attr!r} is a {type(fn).__name__}, not a function.")
-    return Preprocessor(name=f"{where}:{attr}", fn=fn, include=tuple(getattr(fn, FILES_ATTRIBUTE, ())))
+    include = tuple(getattr(fn, FILES_ATTRIBUTE, ()))
+    return Preprocessor(name=f"{where}:{attr}", fn=fn, include=include, code=_code_of(module))
+
+
+def _code_of(module: ModuleType) -> str:
+    """The SHA-256 of the file a plugin's module was loaded from (the helpers it imports from
+    other files are not covered: `--force` after changing those)."""
+    source = getattr(module, "__file__", None)
+    if not source or not Path(source).is_file():
+        return f"module {module.__name__} (no file to hash)"
+    return "sha256:" + hashlib.sha256(Path(source).read_bytes()).hexdigest()
 
 
 def _load_module(where: str, spec: str) -> ModuleType:
     if where.endswith(".py"):
-        path = Path(where).absolute()
+        path = Path(where)
         if not path.is_file():
             raise UsageError(f"--preprocess {spec}: no such file {path}.")
         name = "batchctl_plugin_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]

@@ -55,6 +55,7 @@ def count_clips(path: Path, sample_rate: int = 16000, clip_seconds: float = 1.0)
 
 PREPROCESSOR = Preprocessor(
     name="audio",
+    code="audio/1",  # raise when the output for the same file and options changes
     fn=preprocess_audio,
     extensions=EXTENSIONS,
     defaults={"sample_rate": 16000, "clip_seconds": 1.0},

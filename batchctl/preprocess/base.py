@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import fnmatch
 import inspect
+import json
+import typing
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +25,7 @@ class Block(dict[str, Any]):
 
 
 PreprocessFn = Callable[..., Any]
+_TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "text"}
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,10 @@ class Preprocessor:
     count: Callable[..., int | None] | None = None
     include: tuple[str, ...] = ()  # globs (--include, or a plugin's own `takes`): replace the extension filter
     check: Callable[[Mapping[str, Any]], None] | None = None  # raises UsageError for bad options
+    # What its output depends on besides its options: a built-in's version, raised whenever its
+    # output for the same file and options would change; for a plugin, the SHA-256 of the file
+    # holding the function. Part of what "up to date" compares.
+    code: str = ""
 
     def accepts(self, relpath: str) -> bool:
         if self.include:
@@ -59,10 +66,47 @@ class Preprocessor:
         missing = sorted(required - set(given))
         if missing:
             raise UsageError(f"Preprocessor {self.name!r} needs --option {'=..., --option '.join(missing)}=...")
-        merged = {**self.defaults, **given}
+        merged = {**self.defaults, **self._typed(given)}
         if self.check is not None:
             self.check(merged)
         return merged
+
+    def _typed(self, given: Mapping[str, Any]) -> dict[str, Any]:
+        """The given options as the types the function declares (its annotations, else its
+        defaults' types): an int where an int is wanted, never a str for every file to trip on."""
+        expected = self._option_types()
+        typed = {}
+        for name, value in given.items():
+            want = expected.get(name)
+            if want is None or (type(value) is want):
+                typed[name] = value
+            elif want is float and type(value) is int:
+                typed[name] = float(value)
+            elif want is str and isinstance(value, (bool, int, float)):
+                typed[name] = json.dumps(value)  # `--option name=12` read as JSON; the function takes text
+            else:
+                raise UsageError(
+                    f"Preprocessor {self.name!r} option {name}: expected {_TYPE_NAMES[want]}, got {value!r}."
+                )
+        return typed
+
+    def _option_types(self) -> dict[str, type]:
+        """bool, int, float or str for each option whose type is declared or shown by its default."""
+        if self.defaults:
+            return {k: type(v) for k, v in self.defaults.items() if type(v) in _TYPE_NAMES}
+        try:
+            params = list(inspect.signature(self.fn).parameters.values())[1:]
+            hints = typing.get_type_hints(self.fn)
+        except Exception:  # noqa: BLE001 - unresolvable annotations, no signature: nothing to check against
+            return {}
+        found = {}
+        for param in params:
+            hint = hints.get(param.name)
+            if hint in _TYPE_NAMES:
+                found[param.name] = hint
+            elif param.default is not param.empty and type(param.default) in _TYPE_NAMES:
+                found[param.name] = type(param.default)
+        return found
 
     def _parameters(self) -> tuple[set[str] | None, set[str]]:
         """The option names the function takes (None: any, it has **kwargs) and those it needs."""

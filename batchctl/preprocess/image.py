@@ -96,6 +96,7 @@ def check_options(options: Mapping[str, Any]) -> None:
 
 PREPROCESSOR = Preprocessor(
     name="image",
+    code="image/1",  # raise when the output for the same file and options changes
     fn=preprocess_image,
     extensions=EXTENSIONS,
     defaults={"resize": 256, "crop": 224, "layout": "hwc", "draft": True},

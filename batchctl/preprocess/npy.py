@@ -81,6 +81,7 @@ def count_rows(path: Path, key: str | None = None, split_rows: bool = False) -> 
 
 PREPROCESSOR = Preprocessor(
     name="npy",
+    code="npy/1",  # raise when the output for the same file and options changes
     fn=preprocess_npy,
     extensions=(".npy", ".npz"),
     defaults={"key": None, "split_rows": False},

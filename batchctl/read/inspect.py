@@ -59,6 +59,7 @@ def info(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None
         "errors": attrs.errors,
         "skipped": [{"source": source, "error": error} for source, error in attrs.skipped],
         "ignored": attrs.ignored,
+        "ignored_paths": attrs.ignored_paths,
         "source": attrs.source,
         "created": attrs.created,
         "batchctl_version": attrs.batchctl_version,

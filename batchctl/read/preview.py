@@ -8,15 +8,16 @@ import os
 import numpy as np
 from PIL import Image, ImageDraw
 
-from batchctl.errors import BatchctlError, UsageError
+from batchctl.errors import UsageError
 from batchctl.read.reader import Dataset
 
 TILE = 160
 LABEL_H = 16
 
 
-def preview(path: str | os.PathLike[str], output: str | os.PathLike[str], batch: int = 0, count: int = 16) -> int:
-    """Write a grid of the first `count` samples of `batch` to `output`; returns how many were drawn."""
+def preview(path: str | os.PathLike[str], output: str | os.PathLike[str], batch: int = 0, count: int = 16) -> int | str:
+    """Write a grid of the first `count` samples of `batch` to `output` and return how many were
+    drawn; a dataset with neither images nor audio has nothing to draw: its rows as a text table."""
     ds = Dataset(path, allow_partial=True)
     if not 0 <= batch < ds.num_batches:
         raise UsageError(f"Expected --batch between 0 and {ds.num_batches - 1}, got {batch} instead.")
@@ -28,9 +29,28 @@ def preview(path: str | os.PathLike[str], output: str | os.PathLike[str], batch:
     elif "audio" in rows:
         tiles = [_waveform_tile(rows["audio"][i]) for i in range(count)]
     else:
-        raise BatchctlError(f"{path} has neither an 'image' nor an 'audio' field to preview.")
+        return rows_table(rows, count, captions if ds.classes is not None else None)
     _grid(tiles, captions).save(output)
     return count
+
+
+def rows_table(rows: dict[str, np.ndarray], count: int, classes: list[str] | None) -> str:
+    """The first `count` rows, one line each: source, class, then each field's first values."""
+    fields = [name for name in rows if name not in ("source", "source_index", "label")]
+    header = ["source", *(["class"] if classes is not None else []), *fields]
+    lines = [header]
+    for i in range(count):
+        cells = [str(rows["source"][i]), *([classes[i]] if classes is not None else [])]
+        cells += [_values(rows[name][i]) for name in fields]
+        lines.append(cells)
+    widths = [max(len(line[c]) for line in lines) for c in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip() for line in lines)
+
+
+def _values(row: np.ndarray) -> str:
+    flat = np.asarray(row).reshape(-1)
+    shown = " ".join(f"{v:.4g}" if flat.dtype.kind == "f" else str(v) for v in flat[:6].tolist())
+    return f"[{shown}{' ...' if flat.size > 6 else ''}] {tuple(np.shape(row))}" if flat.size != 1 else shown
 
 
 def _caption(ds: Dataset, rows: dict[str, np.ndarray], i: int) -> str:

@@ -104,6 +104,7 @@ class DatasetAttrs:
     errors: int = 0
     ignored: int = 0
     skipped: list[list[str]] = field(default_factory=list)  # [source, reason] of the first MAX_SKIPPED_LISTED
+    ignored_paths: list[str] = field(default_factory=list)  # the first 1000 files in SOURCE not taken
     format_version: int = FORMAT_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -151,6 +152,8 @@ class DatasetAttrs:
                 journal.whole(n, f"a dimension of {name!r}")
             if not isinstance(spec.get("dtype"), str):
                 raise FormatError(f"the dtype of {name!r} is {spec.get('dtype')!r}")
+        if not all(isinstance(path, str) for path in journal.sequence(self.ignored_paths, "ignored_paths")):
+            raise FormatError("an ignored path is not a string")
         for entry in journal.sequence(self.skipped, "skipped"):
             if not isinstance(entry, list) or len(entry) != 2 or not all(isinstance(v, str) for v in entry):
                 raise FormatError(f"a skipped entry is {entry!r}, not [source, reason]")

@@ -1,0 +1,192 @@
+"""Right by default, second round (issue 34): what a new user and a fault campaign ran into.
+The real CLI in subprocesses, as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+import batchctl
+from tests.conftest import BATCHCTL, ROOT
+
+PLUGIN = """
+import numpy as np
+
+def tokens(path, length=4):
+    return {"tokens": np.full(length, len(path.read_bytes()), dtype=np.int32)}
+"""
+
+
+def texts(root: Path, count: int = 6) -> Path:
+    src = root / "texts"
+    src.mkdir()
+    for i in range(count):
+        (src / f"t{i}.txt").write_text("x" * (i + 1))
+    return src
+
+
+def run_in(folder: Path, *args: str | Path) -> tuple[int, str]:
+    """The CLI run from `folder` (batchctl importable from anywhere, as once installed)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [*BATCHCTL, *map(str, args)], capture_output=True, text=True, cwd=folder, env=env, timeout=120
+    )
+    return done.returncode, done.stderr
+
+
+def test_editing_the_plugin_rebuilds_and_says_why(tmp_path: Path) -> None:
+    src = texts(tmp_path)
+    plugin = tmp_path / "tok.py"
+    plugin.write_text(PLUGIN)
+    args = ("build", src, "-o", tmp_path / "tokens.zarr", "--preprocess", f"{plugin}:tokens", "--include", "*.txt")
+    assert run_in(tmp_path, *args)[0] == 0
+    assert run_in(tmp_path, *args)[1].count("up to date") == 1
+    plugin.write_text(PLUGIN.replace("length=4", "length=6"))  # a default changed: every row changes
+    code, err = run_in(tmp_path, *args)
+    assert code == 0, err
+    assert f"building everything: the preprocessor's code changed: {plugin.resolve()}" in err
+    assert batchctl.open(tmp_path / "tokens.zarr").fields["tokens"][0] == (6,)
+    assert "up to date" in run_in(tmp_path, *args)[1]
+
+
+def test_the_same_plugin_typed_from_another_folder_is_the_same_build(tmp_path: Path) -> None:
+    src = texts(tmp_path)
+    (tmp_path / "tok.py").write_text(PLUGIN)
+    sub = tmp_path / "sub"
+    sub.mkdir()
+    out = tmp_path / "tokens.zarr"
+    assert run_in(tmp_path, "build", src, "-o", out, "--preprocess", "tok.py:tokens", "--include", "*.txt")[0] == 0
+    code, err = run_in(sub, "build", src, "-o", out, "--preprocess", "../tok.py:tokens", "--include", "*.txt")
+    assert code == 0 and "up to date" in err, err
+    rows = np.concatenate([b["tokens"] for b in batchctl.open(out)])
+    assert sorted(rows[:, 0].tolist()) == [1, 2, 3, 4, 5, 6]
+
+
+def test_output_into_folders_not_made_yet_makes_them(tmp_path: Path) -> None:
+    src = texts(tmp_path)
+    (tmp_path / "tok.py").write_text(PLUGIN)
+    out = tmp_path / "runs" / "2026" / "tokens.zarr"
+    code, err = run_in(tmp_path, "build", src, "-o", out, "--preprocess", "tok.py:tokens", "--include", "*.txt")
+    assert code == 0, err
+    assert batchctl.open(out).num_samples == 6
+    (tmp_path / "blocked").write_text("a file where a folder should be")
+    code, err = run_in(
+        tmp_path, "build", src, "-o", tmp_path / "blocked" / "x" / "t.zarr", "--preprocess", "tok.py:tokens"
+    )
+    assert code == 2 and err.count("\n") == 1 and "cannot make OUTPUT's folder" in err, err
+
+
+def test_an_option_of_the_wrong_type_is_one_line_before_any_work(tmp_path: Path) -> None:
+    src = texts(tmp_path, count=8)
+    (tmp_path / "tok.py").write_text(PLUGIN)
+    base = ("build", src, "-o", tmp_path / "t.zarr", "--preprocess", "tok.py:tokens", "--include", "*.txt")
+    code, err = run_in(tmp_path, *base, "--option", "length=abc")
+    assert code == 2 and err.count("\n") == 1, err
+    assert "option length: expected an integer, got 'abc'" in err
+    assert not (tmp_path / "t.zarr").exists()
+    code, err = run_in(tmp_path, "build", src, "-o", tmp_path / "i.zarr", "--option", "resize=big")
+    assert code == 2 and "option resize: expected an integer, got 'big'" in err, err
+
+
+def test_many_files_failing_for_one_reason_are_counted_not_listed(tmp_path: Path) -> None:
+    src = texts(tmp_path, count=12)
+    (tmp_path / "bad.py").write_text("def broken(path):\n    raise TypeError('this plugin is broken')\n")
+    report = tmp_path / "r.json"
+    out = tmp_path / "b.zarr"
+    args = ("--preprocess", "bad.py:broken", "--include", "*.txt", "--report", report)
+    code, err = run_in(tmp_path, "build", src, "-o", out, *args)
+    assert code == 1
+    assert err.count("TypeError: this plugin is broken") == 5, err  # 3 files named, the note, the count
+    assert "skipped 12 files: TypeError: this plugin is broken (the first" in err
+    assert len(json.loads(report.read_text())["errors"]) == 12
+
+
+API_SCRIPT = """
+import json, sys
+import batchctl
+
+if __name__ == "__main__":
+    src, out, report = sys.argv[1:4]
+    result = batchctl.build(src, out, strict=True, resize=40, crop=32, sorted=True, option={"draft": False},
+                            workers=1, report=report)
+    try:
+        batchctl.build(src, out, strcit=True)
+    except batchctl.UsageError as exc:
+        print("REFUSED", exc)
+    print(json.dumps({"status": result.status, "samples": result.samples}))
+"""
+
+
+def test_the_python_api_takes_the_cli_options_by_their_names(tmp_path: Path) -> None:
+    from batchctl.synthetic import make_image_folder
+
+    make_image_folder(tmp_path / "imgs", 9, sides=(50, 70))
+    (tmp_path / "script.py").write_text(API_SCRIPT)
+    out, report = tmp_path / "api.zarr", tmp_path / "r.json"
+    done = subprocess.run(
+        [sys.executable, "script.py", str(tmp_path / "imgs"), str(out), str(report)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert done.returncode == 0, done.stderr
+    assert '{"status": "complete", "samples": 9}' in done.stdout
+    assert "REFUSED build() takes no option strcit; its options are" in done.stdout
+    ds = batchctl.open(out)
+    assert ds.fields["image"][0] == (32, 32, 3)
+    assert json.loads(report.read_text())["status"] == "complete"
+    sources = [str(s) for b in ds for s in b["source"]]
+    assert sources == sorted(sources)  # sorted=True: dispatched in path order, one worker
+
+
+def test_shell_completion_is_offered() -> None:
+    script = Path(sys.executable).parent / "batchctl"  # the console script the install made
+    done = subprocess.run([str(script), "--show-completion", "bash"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "_BATCHCTL_COMPLETE" in done.stdout, done.stderr
+    words = subprocess.run(
+        [str(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "_BATCHCTL_COMPLETE": "complete_bash", "COMP_WORDS": "batchctl bu", "COMP_CWORD": "1"},
+    )
+    assert "build" in words.stdout.split()
+
+
+def test_summaries_say_what_happened(tmp_path: Path) -> None:
+    src = texts(tmp_path)
+    (tmp_path / "tok.py").write_text(PLUGIN)
+    out = tmp_path / "t.zarr"
+    args = ("build", src, "-o", out, "--preprocess", "tok.py:tokens", "--include", "*.txt")
+    assert run_in(tmp_path, *args)[0] == 0
+    (src / "t0.txt").unlink()  # only a removal: nothing new preprocessed, no rate to report
+    code, err = run_in(tmp_path, *args)
+    assert code == 0 and "0 files preprocessed" in err and "samples/s" not in err, err
+    code, err = run_in(tmp_path, "verify", out)
+    assert code == 0 and f"{out}: OK (" in err
+    (tmp_path / "tok.py").write_text(PLUGIN.replace("return", "raise ValueError('no tokens')\n    return"))
+    code, err = run_in(tmp_path, *args, "--strict", "--force")
+    assert code == 1 and "was skipped (ValueError: no tokens) and --strict allows no skipped file" in err, err
+    code, out_text = _preview_rows(tmp_path, out)  # the failed build changed nothing at OUTPUT
+    assert code == 0 and out_text.splitlines()[0].split() == ["source", "tokens"], out_text
+    assert "t1.txt" in out_text and "[2 2 2 2] (4,)" in out_text
+
+
+def _preview_rows(folder: Path, dataset: Path) -> tuple[int, str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [*BATCHCTL, "preview", str(dataset), "-o", str(folder / "p.png")],
+        capture_output=True,
+        text=True,
+        cwd=folder,
+        env=env,
+        timeout=60,
+    )
+    return done.returncode, done.stdout
