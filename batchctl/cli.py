@@ -10,10 +10,12 @@ import json
 import os
 import signal
 import sys
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, NoReturn, Optional
 
 import typer
+from typer.core import TyperCommand
 
 from batchctl.errors import (
     BatchctlError,
@@ -26,15 +28,42 @@ from batchctl.errors import (
     signalled_in,
 )
 from batchctl.progress import ConsoleProgress
-from batchctl.report import BuildReport, count_of
+from batchctl.report import BuildReport, count_of, size_text
 from batchctl.store.storage import parse_storage_options
 from batchctl.version import __version__
 
 EXIT_CODES = """Exit codes: 0 success or up to date; 1 failed build; 2 usage error;
 130 interrupted (SIGINT); 143 terminated (SIGTERM)."""
+READ_EXIT_CODES = "Exit codes: 0 done; 1 not a batchctl dataset, or damaged (named); 2 usage error."
+VERIFY_EXIT_CODES = "Exit codes: 0 OK; 1 a problem found (each named), or not a batchctl dataset; 2 usage error."
+
+
+class Command(TyperCommand):
+    """Usage lines as Unix tools write them: `batchctl build [OPTIONS] SOURCE` (Typer writes `{SOURCE}`)."""
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        return [piece.removeprefix("{").removesuffix("}") for piece in super().collect_usage_pieces(ctx)]
+
+
+class Layout(StrEnum):
+    hwc = "hwc"
+    chw = "chw"
+
+
+class Compression(StrEnum):
+    auto = "auto"
+    zstd = "zstd"
+    blosc = "blosc"
+    none = "none"
+
+
+class Engine(StrEnum):
+    local = "local"
+    dask = "dask"
+
 
 app = typer.Typer(
-    help="Preprocess a folder of files once, offline, into sharded Zarr v3 batches.\n\n" + EXIT_CODES,
+    help="Preprocess a folder of files once, offline, into sharded Zarr v3 batches.",
     pretty_exceptions_enable=False,
     no_args_is_help=True,
     add_completion=True,  # --install-completion, --show-completion (bash, zsh, fish, PowerShell)
@@ -64,12 +93,13 @@ def main(
 
 STORAGE_OPTION = typer.Option(
     "--storage-option",
+    metavar="KEY=VALUE",
     help="For a URL: an fsspec storage option key=value (repeatable; e.g. endpoint_url=http://host:9000, "
     "anon=true). Credentials otherwise come from the usual environment (AWS_ACCESS_KEY_ID, ...).",
 )
 
 
-@app.command(epilog=EXIT_CODES)
+@app.command(cls=Command, epilog=EXIT_CODES)
 def build(
     source: Annotated[
         str,
@@ -83,51 +113,68 @@ def build(
         typer.Option(
             "-o",
             "--output",
+            metavar="PATH|URL",
             help="Where to write the Zarr v3 dataset: a path or a URL (s3://...). "
             "Default: SOURCE's name plus .zarr, beside it.",
         ),
     ] = None,
-    batch_size: Annotated[int, typer.Option(help="Samples per batch (= rows per chunk).", min=1)] = 64,
-    workers: Annotated[Optional[int], typer.Option(help="Preprocessing processes (default: all cores).", min=1)] = None,
+    batch_size: Annotated[int, typer.Option(help="Samples per batch (= rows per chunk).", min=1, metavar="N")] = 64,
+    workers: Annotated[
+        Optional[int], typer.Option(help="Preprocessing processes (default: all cores).", min=1, metavar="N")
+    ] = None,
     preprocess: Annotated[
         str,
-        typer.Option(help="image, audio, npy, or your own function: package.module:function or file.py:function."),
+        typer.Option(
+            metavar="NAME",
+            help="image, audio, npy, or your own function: package.module:function or file.py:function.",
+        ),
     ] = "image",
     include: Annotated[
-        Optional[list[str]], typer.Option("--include", help="Take only files matching this glob (repeatable).")
+        Optional[list[str]],
+        typer.Option("--include", metavar="GLOB", help="Take only files matching this glob (repeatable)."),
     ] = None,
     resize: Annotated[
-        Optional[int], typer.Option(help="image: shorter side after resizing (default 256).", min=1)
+        Optional[int], typer.Option(help="image: shorter side after resizing (default 256).", min=1, metavar="N")
     ] = None,
-    crop: Annotated[Optional[int], typer.Option(help="image: side of the centre crop (default 224).", min=1)] = None,
-    layout: Annotated[Optional[str], typer.Option(help="image: pixel layout hwc or chw (default hwc).")] = None,
-    sample_rate: Annotated[Optional[int], typer.Option(help="audio: output rate in Hz (default 16000).", min=1)] = None,
-    clip_seconds: Annotated[Optional[float], typer.Option(help="audio: clip length (default 1.0).", min=0.001)] = None,
-    key: Annotated[Optional[str], typer.Option(help="npy: the array to take from .npz files.")] = None,
+    crop: Annotated[
+        Optional[int], typer.Option(help="image: side of the centre crop (default 224).", min=1, metavar="N")
+    ] = None,
+    layout: Annotated[Optional[Layout], typer.Option(help="image: pixel layout (default hwc).")] = None,
+    sample_rate: Annotated[
+        Optional[int], typer.Option(help="audio: output rate in Hz (default 16000).", min=1, metavar="N")
+    ] = None,
+    clip_seconds: Annotated[
+        Optional[float], typer.Option(help="audio: clip length (default 1.0).", min=0.001, metavar="SECONDS")
+    ] = None,
+    key: Annotated[Optional[str], typer.Option(help="npy: the array to take from .npz files.", metavar="NAME")] = None,
     split_rows: Annotated[bool, typer.Option("--split-rows", help="npy: each row along axis 0 is a sample.")] = False,
     option: Annotated[
-        Optional[list[str]], typer.Option("--option", help="Preprocessor option key=value (repeatable).")
+        Optional[list[str]],
+        typer.Option("--option", metavar="KEY=VALUE", help="Preprocessor option key=value (repeatable)."),
     ] = None,
     seed: Annotated[
-        int, typer.Option(help="Seed of the shuffled order files are dispatched in (so batches mix classes).")
+        int,
+        typer.Option(metavar="N", help="Seed of the shuffled order files are dispatched in (so batches mix classes)."),
     ] = 0,
     sorted_order: Annotated[
         bool, typer.Option("--sorted", help="Dispatch files in sorted path order instead of shuffled.")
     ] = False,
     shard_batches: Annotated[
-        Optional[int], typer.Option(help="Batches per shard file (default: about 128 MiB).", min=1)
+        Optional[int], typer.Option(help="Batches per shard file (default: about 128 MiB).", min=1, metavar="N")
     ] = None,
     compression: Annotated[
-        str,
+        Compression,
         typer.Option(
-            help="auto (zstd for the fields it shrinks by more than a fifth, else none), zstd, blosc or none; "
-            "every chunk is checksummed."
+            help="auto: zstd for the fields it shrinks by more than a fifth, none for the rest; or one for "
+            "every field. Every chunk is checksummed.",
         ),
-    ] = "auto",
+    ] = Compression.auto,
     strict: Annotated[
         bool, typer.Option("--strict", help="Fail the build on any skipped file (= --max-errors 0).")
     ] = False,
-    max_errors: Annotated[Optional[int], typer.Option(help="Fail once more than N files were skipped.", min=0)] = None,
+    max_errors: Annotated[
+        Optional[int], typer.Option(help="Fail once more than N files were skipped.", min=0, metavar="N")
+    ] = None,
     resume: Annotated[bool, typer.Option(help="Resume an interrupted build of OUTPUT.")] = True,
     force: Annotated[bool, typer.Option("--force", help="Rebuild everything, even when OUTPUT is up to date.")] = False,
     checksum: Annotated[
@@ -139,16 +186,24 @@ def build(
         ),
     ] = False,
     timeout: Annotated[
-        Optional[float], typer.Option(help="Seconds one file may take; a slower one is killed and skipped.", min=0.001)
+        Optional[float],
+        typer.Option(
+            help="Seconds one file may take; a slower one is killed and skipped.", min=0.001, metavar="SECONDS"
+        ),
     ] = None,
-    report: Annotated[Optional[Path], typer.Option(help="Write a JSON report of the build here.")] = None,
+    report: Annotated[
+        Optional[Path], typer.Option(help="Write a JSON report of the build here.", metavar="FILE")
+    ] = None,
     storage_option: Annotated[Optional[list[str]], STORAGE_OPTION] = None,
     engine: Annotated[
-        str, typer.Option(help="local (a process pool on this machine) or dask (a dask.distributed cluster).")
-    ] = "local",
+        Engine, typer.Option(help="local (a process pool on this machine) or dask (a dask.distributed cluster).")
+    ] = Engine.local,
     scheduler: Annotated[
         Optional[str],
-        typer.Option(help="--engine dask: the scheduler's address, tcp://HOST:PORT (default: a local cluster)."),
+        typer.Option(
+            metavar="ADDRESS",
+            help="--engine dask: the scheduler's address, tcp://HOST:PORT (default: a local cluster).",
+        ),
     ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only errors.")] = False,
 ) -> None:
@@ -162,7 +217,7 @@ def build(
         "include": include,
         "resize": resize,
         "crop": crop,
-        "layout": layout,
+        "layout": layout.value if layout is not None else None,
         "sample_rate": sample_rate,
         "clip_seconds": clip_seconds,
         "key": key,
@@ -171,7 +226,7 @@ def build(
         "seed": seed,
         "sorted": sorted_order,
         "shard_batches": shard_batches,
-        "compression": compression,
+        "compression": compression.value,
         "strict": strict,
         "max_errors": max_errors,
         "resume": resume,
@@ -179,7 +234,7 @@ def build(
         "checksum": checksum,
         "timeout": timeout,
         "storage_option": storage_option,
-        "engine": engine,
+        "engine": engine.value,
         "scheduler": scheduler,
     }
     if workers is not None:
@@ -205,7 +260,7 @@ def build(
     _finish(result, report, quiet)
 
 
-@app.command(epilog=EXIT_CODES)
+@app.command(cls=Command, epilog=READ_EXIT_CODES)
 def info(
     path: Annotated[str, typer.Argument(help="A batchctl dataset: a path or a URL.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
@@ -229,8 +284,8 @@ def _describe(data: dict[str, Any]) -> str:
         f"{data['path']}: {'complete' if data['complete'] else 'NOT COMPLETE'}",
         f"  {count_of(data['num_samples'], 'sample')}, "
         f"{count_of(data['num_batches'], 'batch')} of {data['batch_size']}, "
-        f"{count_of(data['num_shards'], 'shard')} of {data['shard_batches']} batches, "
-        f"{data['bytes'] / 2**20:.1f} MiB on disk",
+        f"{count_of(data['num_shards'], 'shard')} (up to {data['shard_batches']} batches each), "
+        f"{size_text(data['bytes'])} on disk",
         f"  compression {data['compression']}; preprocess {json.dumps(data['preprocess'])}",
         f"  built {data['created']} by batchctl {data['batchctl_version']} from {data['source']}",
         f"  skipped with errors {data['errors']}, ignored {data['ignored']}",
@@ -238,9 +293,10 @@ def _describe(data: dict[str, Any]) -> str:
     ]
     for name, f in data["fields"].items():
         ratio = f" ratio {f['ratio']}x" if f["ratio"] else ""
+        what = " (UTF-8 paths, zero-padded)" if name == "source" else ""
         lines.append(
             f"    {name:<14} {str(tuple(f['shape'])):<16} {f['dtype']:<8} chunk {f['chunk_rows']} rows, "
-            f"shard {f['shard_rows']} rows, {'+'.join(f['codecs'])}, {f['stored_bytes'] / 2**20:.1f} MiB{ratio}"
+            f"shard {f['shard_rows']} rows, {'+'.join(f['codecs'])}, {size_text(f['stored_bytes'])}{ratio}{what}"
         )
     if data["class_counts"]:
         lines.append("  classes: " + ", ".join(f"{k} {v}" for k, v in data["class_counts"].items()))
@@ -260,7 +316,7 @@ def _describe(data: dict[str, Any]) -> str:
 SKIPPED_SHOWN = 20
 
 
-@app.command(epilog=EXIT_CODES)
+@app.command(cls=Command, epilog=VERIFY_EXIT_CODES)
 def verify(
     path: Annotated[str, typer.Argument(help="A batchctl dataset: a path or a URL.")],
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only problems.")] = False,
@@ -287,12 +343,12 @@ def verify(
         typer.echo(f"{path}: OK ({total} batches read and checked)", err=True)
 
 
-@app.command(epilog=EXIT_CODES)
+@app.command(cls=Command, epilog=READ_EXIT_CODES)
 def preview(
     path: Annotated[Path, typer.Argument(help="A batchctl dataset.")],
-    output: Annotated[Path, typer.Option("-o", "--output", help="PNG file to write.")],
-    batch: Annotated[int, typer.Option(help="Which batch to show.", min=0)] = 0,
-    count: Annotated[int, typer.Option(help="How many samples of it.", min=1)] = 16,
+    output: Annotated[Path, typer.Option("-o", "--output", metavar="FILE", help="PNG file to write.")],
+    batch: Annotated[int, typer.Option(help="Which batch to show.", min=0, metavar="N")] = 0,
+    count: Annotated[int, typer.Option(help="How many samples of it.", min=1, metavar="N")] = 16,
 ) -> None:
     """Draw samples of one batch into a PNG grid, captioned with their class (or file) names."""
     from batchctl.read.preview import preview as draw_preview

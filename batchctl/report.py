@@ -87,7 +87,8 @@ class BuildReport:
         verb = "Built"
         text = (
             f"{verb} {self.output}: {count_of(self.samples, 'sample')} in {count_of(self.batches, 'batch')}, "
-            f"{count_of(self.shards, 'shard')}, {_size(self.bytes)}; {count_of(self.processed, 'file')} preprocessed"
+            f"{count_of(self.shards, 'shard')}, {size_text(self.bytes)}; "
+            f"{count_of(self.processed, 'file')} preprocessed"
         )
         if self.changes is not None:
             retried = self.changes.retried["count"]
@@ -111,7 +112,8 @@ def count_of(n: int, noun: str) -> str:
     return f"{n} {noun if n == 1 else plural}"
 
 
-def _size(nbytes: int) -> str:
+def size_text(nbytes: int) -> str:
+    """`812 B`, `50.1 KiB`, `1.2 GiB`."""
     value = float(nbytes)
     for unit in ("B", "KiB", "MiB", "GiB"):
         if value < 1024 or unit == "GiB":

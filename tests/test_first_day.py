@@ -190,3 +190,32 @@ def _preview_rows(folder: Path, dataset: Path) -> tuple[int, str]:
         timeout=60,
     )
     return done.returncode, done.stdout
+
+
+def test_help_reads_as_unix_help() -> None:
+    script = str(Path(sys.executable).parent / "batchctl")
+    env = {**os.environ, "COLUMNS": "100"}
+    build_help = subprocess.run([script, "build", "--help"], capture_output=True, text=True, env=env).stdout
+    assert "Usage: batchctl build [OPTIONS] SOURCE\n" in build_help
+    assert "range>" not in build_help and "<str>" not in build_help and "<path>" not in build_help
+    for choices in ("--layout <hwc|chw>", "--compression <auto|zstd|blosc|none>", "--engine <local|dask>"):
+        assert choices in build_help
+    assert "--batch-size N" in build_help and "--option KEY=VALUE" in build_help
+    for command in ("info", "verify", "preview"):
+        text = subprocess.run([script, command, "--help"], capture_output=True, text=True, env=env).stdout
+        assert "Exit codes" in text and "failed build" not in text and "SIGTERM" not in text, command
+
+
+def test_info_says_what_is_there(tmp_path: Path) -> None:
+    src = texts(tmp_path)
+    (tmp_path / "tok.py").write_text(PLUGIN)
+    out = tmp_path / "t.zarr"
+    assert run_in(tmp_path, "build", src, "-o", out, "--preprocess", "tok.py:tokens", "--include", "*.txt")[0] == 0
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    text = subprocess.run([*BATCHCTL, "info", str(out)], capture_output=True, text=True, env=env, cwd=ROOT).stdout
+    assert "1 shard (up to " in text and " KiB on disk" in text and "0.0 MiB" not in text, text
+    source_line = next(line for line in text.splitlines() if line.strip().startswith("source "))
+    assert "uint8" in source_line and "UTF-8 paths, zero-padded" in source_line
+    (tmp_path / "empty").mkdir()
+    done = subprocess.run([*BATCHCTL, "info", str(tmp_path / "empty")], capture_output=True, text=True, env=env)
+    assert done.returncode == 1 and "Error" not in done.stderr and "no batchctl dataset here" in done.stderr

@@ -27,8 +27,8 @@ def info(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None
         raw = ds.num_batches * ds.batch_size * row_bytes
         chunk_bytes = _chunk_bytes(ds, name, arr)
         fields[name] = {
-            "shape": [] if name == fmt.SOURCE else list(arr.shape[1:]),
-            "dtype": "str" if name == fmt.SOURCE else str(arr.dtype),  # source: UTF-8 bytes, zero-padded
+            "shape": list(arr.shape[1:]),  # as stored, as every Zarr reader sees it
+            "dtype": str(arr.dtype),
             "chunk_rows": int(arr.chunks[0]),
             "shard_rows": int(arr.shards[0]) if arr.shards else None,
             "codecs": [c.to_dict()["name"] for c in arr.metadata.codecs[0].codecs]  # type: ignore[union-attr]

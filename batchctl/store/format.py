@@ -275,7 +275,7 @@ def open_group(
     try:
         group = zarr.open_group(location, mode="r", **storage.zarr_options(location, storage_options))
     except (FileNotFoundError, zarr.errors.GroupNotFoundError) as exc:
-        raise FormatError(f"{path}: no batchctl dataset here ({exc.__class__.__name__}).") from exc
+        raise FormatError(f"{path}: no batchctl dataset here (no zarr.json; `batchctl build` makes one).") from exc
     except (ValueError, TypeError, KeyError) as exc:  # a zarr.json that is not JSON, or not Zarr's
         raise FormatError(f"{path}: its zarr.json is damaged ({_first_line(exc)}).") from exc
     attrs = read_attrs(group)
