@@ -1,8 +1,19 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+BASE := $(VENV)/.base
 
-.PHONY: test lint demo bench clean
+.PHONY: test lint demo install bench clean
+
+# batchctl alone (what `make install` and `make demo` need): no test, benchmark or framework extras
+$(BASE): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e .
+	touch $(BASE)
+
+install: $(BASE)
+	@echo "batchctl is $(VENV)/bin/batchctl: run 'source $(VENV)/bin/activate' to put it on PATH"
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -21,7 +32,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check batchctl tests benchmarks examples
 	$(VENV)/bin/mypy batchctl
 
-demo: $(STAMP)
+demo: $(BASE)
 	$(PY) examples/make_images.py demo/images --count 200
 	$(VENV)/bin/batchctl build demo/images -o demo/images.zarr --batch-size 32 --seed 0 --force
 	$(VENV)/bin/batchctl info demo/images.zarr

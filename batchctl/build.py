@@ -900,7 +900,13 @@ class _Builder:
         raw = incremental.record_bytes(record)
         attrs = self._attrs(discovery, fingerprint, finished)
         attrs.record_sha256 = hashlib.sha256(raw).hexdigest()
-        self.work.publish(raw, self.build_id, lambda: meta.write_dataset_attrs(self.paths.staging_files, attrs))
+        notes = self.preprocessor.describe(self.pp_options) if self.preprocessor.describe else {}
+
+        def mark_complete() -> None:
+            meta.describe_arrays(self.paths.staging_files, discovery.classes, notes)
+            meta.write_dataset_attrs(self.paths.staging_files, attrs)  # consolidates the arrays' documents
+
+        self.work.publish(raw, self.build_id, mark_complete)
         for warning in self.work.warnings:
             self.progress.info(warning)
 

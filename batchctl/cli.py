@@ -338,7 +338,7 @@ def verify(
     for problem in problems:
         typer.echo(f"batchctl: bad: {problem}", err=True)
     if problems:
-        _fail(f"{path}: {len(problems)} problems found", 1)
+        _fail(f"{path}: {count_of(len(problems), 'problem')} found", 1)
     if not quiet:
         typer.echo(f"{path}: OK ({total} batches read and checked)", err=True)
 

@@ -75,7 +75,7 @@ class Workspace:
 
     @property
     def keep(self) -> list[str]:
-        return ["data", "out.zarr", ".out.zarr.batchctl.record"]
+        return ["data", "out.zarr"]  # the dataset's record is inside it
 
     def restore(self) -> None:
         for name in [*self.keep, ".out.zarr.batchctl", ".out.zarr.batchctl.lock"]:
@@ -153,7 +153,6 @@ def prepare(space: Workspace, scenario: str) -> None:
     space.change(1)
     if scenario in ("fresh", "resume"):
         shutil.rmtree(space.out)
-        (space.root / ".out.zarr.batchctl.record").unlink()
     if scenario == "resume":  # of a fresh build, whose parent makes no fsync: the collator's are its own
         kill_collator = ["strace", "-f", "-qq", "-o", os.devnull, "-e", "trace=fsync"]
         stopped = space.run_build(*kill_collator, "-e", "inject=fsync:signal=SIGKILL:when=12")

@@ -167,7 +167,9 @@ def test_timeout_skips_a_hung_file(image_folder: Path, tmp_path: Path) -> None:
         timeout=90,
     )
     assert result.returncode == 1  # every file timed out: nothing to publish
-    assert result.stderr.count("timed out after 1 s") == 6
+    named = [line for line in result.stderr.splitlines() if line.startswith("skipped img")]
+    assert len(named) == 3 and all("timed out after 1 s" in line for line in named)  # then counted:
+    assert "skipped 6 files: timed out after 1 s (--timeout); its worker was killed (the first" in result.stderr
     assert "no samples were produced" in result.stderr
 
 

@@ -219,3 +219,63 @@ def test_info_says_what_is_there(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     done = subprocess.run([*BATCHCTL, "info", str(tmp_path / "empty")], capture_output=True, text=True, env=env)
     assert done.returncode == 1 and "Error" not in done.stderr and "no batchctl dataset here" in done.stderr
+
+
+def test_make_demo_installs_batchctl_alone_and_says_where_it_is(tmp_path: Path) -> None:
+    """`make -n` (what make would run) for a fresh venv: the demo needs batchctl, not the dev set."""
+    venv = tmp_path / "venv"
+    demo = subprocess.run(["make", "-n", "demo", f"VENV={venv}"], capture_output=True, text=True, cwd=ROOT)
+    assert demo.returncode == 0, demo.stderr
+    assert "pip install -q -e .\n" in demo.stdout
+    assert ".[dev]" not in demo.stdout and "torch" not in demo.stdout
+    install = subprocess.run(["make", "-n", "install", f"VENV={venv}"], capture_output=True, text=True, cwd=ROOT)
+    assert f"source {venv}/bin/activate" in install.stdout
+
+
+def test_each_array_explains_itself_and_the_group_is_consolidated(tmp_path: Path) -> None:
+    import warnings
+
+    import zarr
+
+    from batchctl.synthetic import make_image_folder
+
+    make_image_folder(tmp_path / "imgs", 12, sides=(50, 60))
+    out = tmp_path / "d.zarr"
+    assert run_in(tmp_path, "build", "imgs", "-o", out, "--batch-size", "4", "--resize", "32", "--crop", "24")[0] == 0
+    image = zarr.open_array(str(out / "image"), mode="r")  # one array alone, as tensorstore or dask open it
+    assert image.metadata.dimension_names == ("sample", "height", "width", "channel")
+    assert image.attrs["layout"] == "hwc"
+    assert zarr.open_array(str(out / "label"), mode="r").attrs["classes"] == ["cat", "dog", "fish"]
+    assert zarr.open_array(str(out / "source"), mode="r").attrs["encoding"] == "UTF-8"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # what xarray's open_zarr does first: no fallback, no warning
+        group = zarr.open_consolidated(str(out), mode="r")
+    assert sorted(group.metadata.consolidated_metadata.metadata) == ["image", "label", "source", "source_index"]
+    assert np.array_equal(group["label"][:], np.concatenate([b["label"] for b in batchctl.open(out)]))
+    label_doc = out / "label" / "zarr.json"
+    label_doc.write_text(label_doc.read_text().replace('"fish"', '"shark"'))  # the copy no longer matches
+    code, err = run_in(tmp_path, "verify", out)
+    assert code == 1 and "label: the group's consolidated metadata differs from label/zarr.json" in err
+
+
+def test_the_record_travels_with_the_dataset(tmp_path: Path) -> None:
+    src = texts(tmp_path, count=8)
+    (tmp_path / "tok.py").write_text(PLUGIN)
+    plugin = ("--preprocess", f"{tmp_path / 'tok.py'}:tokens", "--include", "*.txt")
+    first = tmp_path / "first"
+    first.mkdir()
+    assert run_in(tmp_path, "build", src, "-o", first / "t.zarr", *plugin)[0] == 0
+    assert set(os.listdir(first)) <= {"t.zarr", ".t.zarr.batchctl.lock"}  # beside OUTPUT: at most the lock
+    moved = tmp_path / "elsewhere" / "t.zarr"
+    moved.parent.mkdir()
+    os.rename(first / "t.zarr", moved)  # the dataset moved (or copied) somewhere else
+    (src / "t8.txt").write_text("y" * 9)
+    code, err = run_in(tmp_path, "build", src, "-o", moved, *plugin)
+    assert code == 0 and "building everything" not in err and "1 added" in err, err
+    # a dataset published by batchctl 0.1 kept its record beside it: still used, then moved in
+    os.rename(moved / "batchctl.record", moved.parent / ".t.zarr.batchctl.record")
+    (src / "t9.txt").write_text("z" * 10)
+    code, err = run_in(tmp_path, "build", src, "-o", moved, *plugin)
+    assert code == 0 and "building everything" not in err and "1 added" in err, err
+    assert not (moved.parent / ".t.zarr.batchctl.record").exists() and (moved / "batchctl.record").is_file()
+    assert sorted(np.concatenate([b["tokens"] for b in batchctl.open(moved)])[:, 0].tolist()) == list(range(1, 11))

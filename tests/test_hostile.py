@@ -41,10 +41,7 @@ def built(image_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def copy_of(dataset: Path, where: Path) -> Path:
     target = where / dataset.name
-    shutil.copytree(dataset, target)
-    record = dataset.parent / f".{dataset.name}.batchctl.record"
-    if record.exists():
-        shutil.copy2(record, where / record.name)
+    shutil.copytree(dataset, target)  # its record with it
     return target
 
 
@@ -237,7 +234,7 @@ def _tampered_records(raw: str) -> dict[str, str]:
 def test_a_tampered_record_is_never_used(image_folder: Path, built: Path, tmp_path: Path) -> None:
     """Checked on its own (as a record without the dataset's hash, from an older batchctl, is), and
     through the CLI, where its hash no longer matches: the next run builds everything, right."""
-    record = built.parent / f".{built.name}.batchctl.record"
+    record = built / "batchctl.record"
     build_id = json.loads(record.read_text().splitlines()[0])["build_id"]
     for how, text in _tampered_records(record.read_text()).items():
         bad = tmp_path / "bad.record"
@@ -248,7 +245,7 @@ def test_a_tampered_record_is_never_used(image_folder: Path, built: Path, tmp_pa
         shutil.copytree(image_folder, folder / "src", copy_function=shutil.copy2)
         result = run_cli("build", folder / "src", "-o", folder / "out.zarr", *SMALL)
         assert result.returncode == 0, result.stderr
-        (folder / ".out.zarr.batchctl.record").write_text(
+        (folder / "out.zarr" / "batchctl.record").write_text(
             text.replace(json.dumps(str(image_folder)), json.dumps(str(folder / "src")))
         )
         shutil.copy2(
@@ -265,13 +262,21 @@ def test_a_tampered_record_is_never_used(image_folder: Path, built: Path, tmp_pa
 # --- what another user left in a shared folder -------------------------------------------------
 
 
-def test_another_users_record_beside_output_is_refused_before_any_work(image_folder: Path, tmp_path: Path) -> None:
+def test_a_record_beside_output_not_of_yours_is_neither_trusted_nor_touched(image_folder: Path, tmp_path: Path) -> None:
+    """Where batchctl 0.1 kept the record (beside OUTPUT), another user may plant one in a shared
+    folder: it is never read for a dataset that holds its own record, and never removed."""
     planted = tmp_path / ".data.zarr.batchctl.record"
     planted.write_text('{"record": 1}\n')
     os.chown(planted, OTHER_UID, OTHER_UID)
-    line = fails_in_one_line(run_cli("build", image_folder, "-o", tmp_path / "data.zarr", *SMALL), code=2)
-    assert str(planted) in line and "not a file of yours" in line
-    assert not (tmp_path / "data.zarr").exists() and not (tmp_path / ".data.zarr.batchctl").exists()
+    out = tmp_path / "data.zarr"
+    assert run_cli("build", image_folder, "-o", out, *SMALL).returncode == 0
+    src = tmp_path / "src"
+    shutil.copytree(image_folder, src, copy_function=shutil.copy2)
+    assert run_cli("build", src, "-o", out, *SMALL).returncode == 0  # another SOURCE: builds everything
+    shutil.copy2(src / "cat" / sorted(os.listdir(src / "cat"))[0], src / "cat" / "extra.jpg")
+    result = run_cli("build", src, "-o", out, *SMALL)
+    assert result.returncode == 0 and "building everything" not in result.stderr, result.stderr  # its own record
+    assert planted.read_text() == '{"record": 1}\n' and planted.stat().st_uid == OTHER_UID
 
 
 @needs_setpriv

@@ -27,10 +27,17 @@ from batchctl.run.mpinternals import (
     reimporting_main,
     shut_down_pool,
 )
-from batchctl.run.processes import mp_context, sweep_dead_builds
+from batchctl.run.processes import mp_context, start_forkserver, sweep_dead_builds
 from batchctl.run.ring import SampleRing
 
 SHM = Path("/dev/shm")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def forkserver_as_batchctl_starts_it() -> None:
+    """The fork server these tests share with later in-process builds of the same pytest run,
+    started the way a build starts it (BLAS limited to one thread in it), not bare by a Pool."""
+    start_forkserver()
 
 
 def _hold(lock: Any, ready: Any) -> None:

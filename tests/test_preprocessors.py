@@ -218,7 +218,7 @@ def test_example_text_windows_plugin(tmp_path: Path) -> None:
         (["--preprocess", "tests.plugins:nothing_here"], "has no function 'nothing_here'"),
         (["--preprocess", "tests/plugins.py:np"], "not a function"),
         (["--preprocess", "missing_file.py:fn"], "no such file"),
-        (["--layout", "cwh"], "Expected --layout hwc or chw"),
+        (["--layout", "cwh"], "--layout': 'cwh' is not one of 'hwc', 'chw'"),
         (["--preprocess", "audio", "--crop", "3"], "takes options"),
     ],
 )

@@ -7,9 +7,10 @@ which is exact when no resampling is needed and differs by the filter's edge tra
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from fractions import Fraction
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -53,8 +54,14 @@ def count_clips(path: Path, sample_rate: int = 16000, clip_seconds: float = 1.0)
     return int(math.ceil(info.frames / _frames_per_clip(info.samplerate, clip_seconds)))
 
 
+def describe(options: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    rate = options.get("sample_rate")
+    return {"audio": {"dimension_names": ["time"], "attributes": {"sample_rate": rate, "full_scale": 1.0}}}
+
+
 PREPROCESSOR = Preprocessor(
     name="audio",
+    describe=describe,
     code="audio/1",  # raise when the output for the same file and options changes
     fn=preprocess_audio,
     extensions=EXTENSIONS,

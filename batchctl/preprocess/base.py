@@ -46,6 +46,9 @@ class Preprocessor:
     # output for the same file and options would change; for a plugin, the SHA-256 of the file
     # holding the function. Part of what "up to date" compares.
     code: str = ""
+    # what each field's row dimensions are and say, from the options: written into the arrays'
+    # own metadata for readers that open one alone ({field: {"dimension_names", "attributes"}})
+    describe: Callable[[Mapping[str, Any]], Mapping[str, Mapping[str, Any]]] | None = None
 
     def accepts(self, relpath: str) -> bool:
         if self.include:

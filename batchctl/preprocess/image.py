@@ -94,8 +94,23 @@ def check_options(options: Mapping[str, Any]) -> None:
             raise UsageError(f"Expected --{name} to be a positive integer, got {options[name]!r} instead.")
 
 
+def describe(options: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    hwc = options.get("layout", "hwc") == "hwc"
+    return {
+        "image": {
+            "dimension_names": ["height", "width", "channel"] if hwc else ["channel", "height", "width"],
+            "attributes": {
+                "layout": "hwc" if hwc else "chw",
+                "resize": options.get("resize"),
+                "crop": options.get("crop"),
+            },
+        }
+    }
+
+
 PREPROCESSOR = Preprocessor(
     name="image",
+    describe=describe,
     code="image/1",  # raise when the output for the same file and options changes
     fn=preprocess_image,
     extensions=EXTENSIONS,

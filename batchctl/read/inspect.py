@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -67,6 +68,30 @@ def info(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None
     }
 
 
+def _consolidated_problems(ds: Dataset) -> list[Problem]:
+    """The group's consolidated copy of the arrays' documents must be theirs: xarray and zarr
+    open the arrays from it alone."""
+    files = fmt.DatasetFiles(ds.path, ds.storage_options)
+    try:
+        copy = json.loads(files.read(fmt.ZARR_JSON)).get("consolidated_metadata")
+    except (OSError, ValueError, AttributeError) as exc:
+        return [Problem(fmt.ZARR_JSON, f"cannot be read again ({exc})")]
+    if copy is None:
+        return []
+    metadata = copy.get("metadata") if isinstance(copy, dict) else None
+    if not isinstance(metadata, dict):
+        return [Problem(fmt.ZARR_JSON, "its consolidated_metadata has no metadata")]
+    problems = []
+    for name in sorted(set(ds.arrays) | set(metadata)):
+        try:
+            own = json.loads(files.read(f"{name}/{fmt.ZARR_JSON}"))
+        except (OSError, ValueError):
+            own = None
+        if metadata.get(name) != own:
+            problems.append(Problem(name, f"the group's consolidated metadata differs from {name}/{fmt.ZARR_JSON}"))
+    return problems
+
+
 def _chunk_bytes(ds: Dataset, name: str, arr: Any) -> int:
     """The bytes of an array's stored chunks: its shard files less their indexes."""
     shards = -(-ds.num_samples // int(arr.shards[0])) if arr.shards else 0
@@ -116,6 +141,7 @@ def verify(
         problems += _missing_shards(name, have, num_shards)
         have = {shard for shard in have if not _index_problems(ds, stored, shard, problems)}
         readable = have if readable is None else readable & have
+    problems += _consolidated_problems(ds)
     spec = {name: fmt.FieldSpec(tuple(s), d) for name, s, d in _field_specs(ds)}
     seen: set[tuple[str, int]] = set()
     per_shard = shard_rows // ds.batch_size

@@ -49,12 +49,13 @@ from batchctl.store.metadata import (  # the metadata, re-exported: `format` is 
     Layout as Layout,
     Schema as Schema,
     default_shard_batches as default_shard_batches,
+    dimension_names as dimension_names,
     num_batches as num_batches,
     parse_compression as parse_compression,
     source_width as source_width,
     write_dataset_attrs as write_dataset_attrs,
 )
-from batchctl.store.zarrmeta import ArrayMeta as ArrayMeta, DatasetFiles as DatasetFiles
+from batchctl.store.zarrmeta import ZARR_JSON as ZARR_JSON, ArrayMeta as ArrayMeta, DatasetFiles as DatasetFiles
 
 if TYPE_CHECKING:
     import zarr
@@ -149,13 +150,6 @@ def create_arrays(
         )
         files.write_array(arrays[name])
     return arrays
-
-
-def dimension_names(name: str, ndim: int) -> list[str]:
-    """Each field's own names for its row dimensions (xarray needs names of one size throughout)."""
-    if name == SOURCE:
-        return ["source_byte"]
-    return [f"{name}_dim{i}" for i in range(ndim)]
 
 
 def open_dataset_arrays(group: zarr.Group, attrs: DatasetAttrs, where: str) -> dict[str, zarr.Array[Any]]:
@@ -273,7 +267,10 @@ def open_group(
 
     location = os.fspath(path)
     try:
-        group = zarr.open_group(location, mode="r", **storage.zarr_options(location, storage_options))
+        # each array's own zarr.json, not the group's consolidated copy of them: what batchctl
+        # checks (and `verify` compares the copy with) is what every reader finds there
+        options = storage.zarr_options(location, storage_options)
+        group = zarr.open_group(location, mode="r", use_consolidated=False, **options)
     except (FileNotFoundError, zarr.errors.GroupNotFoundError) as exc:
         raise FormatError(f"{path}: no batchctl dataset here (no zarr.json; `batchctl build` makes one).") from exc
     except (ValueError, TypeError, KeyError) as exc:  # a zarr.json that is not JSON, or not Zarr's

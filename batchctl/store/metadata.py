@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -195,9 +195,39 @@ def read_dataset_attrs(location: str, storage_options: Mapping[str, Any] | None 
         return None
 
 
+ArrayNotes = Mapping[str, Mapping[str, Any]]  # field -> {"dimension_names": [...], "attributes": {...}}
+
+OWN_ATTRIBUTES: dict[str, dict[str, Any]] = {
+    SOURCE: {"encoding": "UTF-8", "meaning": "the sample's file, relative to SOURCE, zero-padded to the row's width"},
+    SOURCE_INDEX: {"meaning": "the sample's place among the samples of its file, from 0"},
+}
+
+
+def dimension_names(name: str, ndim: int) -> list[str]:
+    """Each field's own names for its row dimensions (xarray needs names of one size throughout)."""
+    if name == SOURCE:
+        return ["source_byte"]
+    return [f"{name}_dim{i}" for i in range(ndim)]
+
+
+def describe_arrays(files: DatasetFiles, classes: list[str] | None, notes: ArrayNotes) -> None:
+    """Give each array what a reader that opens it alone needs (tensorstore, zarrs, dask): the
+    class names on `label`, the encoding of `source`, and the preprocessor's notes (an image's
+    `height`, `width`, `channel` dimensions and its layout) in its own `zarr.json`."""
+    for name, meta in files.arrays().items():
+        note = notes.get(name, {})
+        named = list(note.get("dimension_names") or ())
+        rows = named if len(named) == meta.ndim - 1 else dimension_names(name, meta.ndim - 1)
+        attributes = {**meta.attributes, **OWN_ATTRIBUTES.get(name, {}), **dict(note.get("attributes") or {})}
+        if name == LABEL and classes is not None:
+            attributes["classes"] = list(classes)  # label i is classes[i]
+        files.write_array(replace(meta, dimension_names=("sample", *rows), attributes=attributes))
+
+
 def write_dataset_attrs(files: DatasetFiles, attrs: DatasetAttrs, new: bool = False) -> None:
-    """Set the group's batchctl attributes; `new`: a new, empty group in place of what was there."""
+    """Set the group's batchctl attributes; `new`: a new, empty group in place of what was there.
+    A complete dataset's group also consolidates its arrays' documents (their final ones)."""
     if new:
         files.create_group({ATTRS_KEY: attrs.to_json()})
     else:
-        files.update_group_attributes({ATTRS_KEY: attrs.to_json()})
+        files.update_group_attributes({ATTRS_KEY: attrs.to_json()}, consolidate=attrs.complete)

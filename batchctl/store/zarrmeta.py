@@ -179,9 +179,18 @@ def _with_typesize(codec: dict[str, Any], itemsize: int) -> dict[str, Any]:
     return {"name": "blosc", "configuration": {"typesize": itemsize, **codec["configuration"]}}
 
 
-def group_json(attributes: Mapping[str, Any]) -> dict[str, Any]:
-    """A group's document, as zarr-python writes it."""
-    return {"attributes": dict(attributes), "zarr_format": 3, "node_type": "group"}
+def group_json(attributes: Mapping[str, Any], arrays: Mapping[str, ArrayMeta] | None = None) -> dict[str, Any]:
+    """A group's document, as zarr-python writes it; with `arrays`, their documents consolidated
+    in it as `zarr.consolidate_metadata` writes them (xarray and zarr open the group in one read)."""
+    doc: dict[str, Any] = {"attributes": dict(attributes), "zarr_format": 3}
+    if arrays is not None:
+        doc["consolidated_metadata"] = {
+            "kind": "inline",
+            "must_understand": False,
+            "metadata": {name: meta.to_json() for name, meta in sorted(arrays.items())},
+        }
+    doc["node_type"] = "group"
+    return doc
 
 
 def encode(doc: Mapping[str, Any]) -> bytes:
@@ -279,9 +288,11 @@ class DatasetFiles:
             raise FormatError(f"{self.location}/{ZARR_JSON} is not a Zarr group's")
         return dict(doc.get("attributes") or {})
 
-    def update_group_attributes(self, attributes: Mapping[str, Any]) -> None:
-        """The group's attributes with these keys replaced (as zarr's `group.attrs.update`)."""
-        self.write(ZARR_JSON, [encode(group_json({**self.group_attributes(), **attributes}))])
+    def update_group_attributes(self, attributes: Mapping[str, Any], consolidate: bool = False) -> None:
+        """The group's attributes with these keys replaced (as zarr's `group.attrs.update`);
+        `consolidate`: with the arrays' documents as they are now."""
+        arrays = self.arrays() if consolidate else None
+        self.write(ZARR_JSON, [encode(group_json({**self.group_attributes(), **attributes}, arrays))])
 
     def write_array(self, meta: ArrayMeta) -> None:
         self.write(f"{meta.name}/{ZARR_JSON}", [encode(meta.to_json())])
