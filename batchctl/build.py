@@ -507,9 +507,7 @@ class _Builder:
             self.progress.info("building everything (--force)")
             return None
         try:
-            record = incremental.read_record(
-                self.paths.record_url, self.options.storage_options, attrs.build_id, attrs.record_sha256
-            )
+            record = self._read_record(attrs)
             if record is not None:
                 width = DatasetFiles(self.output, self.options.storage_options).arrays()[meta.SOURCE].shape[1]
                 incremental.check_fits(record, attrs, width)
@@ -531,6 +529,15 @@ class _Builder:
             self.progress.info("building everything: " + "; ".join(why))
             return None
         return plan, record
+
+    def _read_record(self, attrs: meta.DatasetAttrs) -> incremental.Record | None:
+        """The dataset's record: inside it, or beside it for a dataset batchctl 0.1 published
+        (its hash in the dataset's attributes vouches for it either way)."""
+        for where in (self.paths.record_url, self.paths.old_record_url):
+            found = incremental.read_record(where, self.options.storage_options, attrs.build_id, attrs.record_sha256)
+            if found is not None:
+                return found
+        return None
 
     def _seed(self, discovery: Discovery, plan: incremental.Plan, record: incremental.Record) -> dict[str, Any]:
         """Make the staging dataset an incremental build starts from: the previous dataset's

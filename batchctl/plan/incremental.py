@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import stat
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -84,6 +86,15 @@ def _batch_line(batch: Mapping[str, Any]) -> dict[str, Any]:
     return {"batch": batch["batch"], "shard": batch["shard"], "rows": batch["rows"], "files": batch["files"]}
 
 
+def _read_regular(path: Path) -> bytes:
+    """A regular file's bytes; anything else (a FIFO would block the read for ever) is refused."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    with os.fdopen(fd, "rb") as file:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise Untrusted("it is not a regular file")
+        return file.read()
+
+
 def read_record(where: str, storage_options: Mapping[str, Any], build_id: str, sha256: str) -> Record | None:
     """The record at `where` of the dataset `build_id` whose record hashes to `sha256` (empty:
     a dataset of an older batchctl, which did not say), or None when there is none. Raises
@@ -92,7 +103,7 @@ def read_record(where: str, storage_options: Mapping[str, Any], build_id: str, s
         if storage.is_url(where):
             raw = storage.filesystem(where, storage_options).cat_file(storage.fs_path(where))
         else:
-            raw = Path(where).read_bytes()
+            raw = _read_regular(Path(where))
     except FileNotFoundError:
         return None
     except OSError as exc:

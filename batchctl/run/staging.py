@@ -2,7 +2,8 @@
 
 For OUTPUT `dir/data.zarr` a build works in `dir/.data.zarr.batchctl/` (the staging dataset,
 its journal and the options it was started with) and holds `dir/.data.zarr.batchctl.lock`
-(`batchctl.run.lock`); a complete dataset's record lies beside it, `dir/.data.zarr.batchctl.record`.
+(`batchctl.run.lock`); a complete dataset's record is inside it, `dir/data.zarr/batchctl.record`,
+so it travels with the dataset and is published with it.
 Only a complete dataset is moved to OUTPUT, by one atomic rename (an atomic exchange when an
 older dataset is there), so readers see the old dataset or the new one, never a half-built one.
 An object store has neither rename nor append: `RemoteWorkdir` writes the dataset in place and
@@ -33,7 +34,7 @@ from batchctl.store.zarrmeta import DatasetFiles
 
 RENAME_EXCHANGE = 2
 PUBLISHING = "publishing"  # in the work folder: the build_id being moved to OUTPUT right now
-STAGED_RECORD = "record"  # in the work folder: the record of the dataset being published
+RECORD = "batchctl.record"  # in a dataset: which file each of its rows came from
 REPLACED = "replaced.zarr"  # where the old dataset goes where there is no atomic exchange
 
 
@@ -94,7 +95,12 @@ class BuildPaths:
 
     @property
     def record_url(self) -> str:
-        """The record of the published dataset (which file each row came from): beside OUTPUT."""
+        """The record of the published dataset (which file each row came from): inside it."""
+        return f"{self.url}/{RECORD}"
+
+    @property
+    def old_record_url(self) -> str:
+        """Where batchctl before 0.2 kept the record: beside OUTPUT (read once, then removed)."""
         return f"{self._beside}.record"
 
     def spill_url(self, group: int) -> str:
@@ -139,9 +145,9 @@ class Workdir(ABC):
         """Refuse, before anything is read or written, what a build must not trust or replace."""
 
     def check_replaceable(self) -> None:
-        """Refuse, before any work, a dataset at OUTPUT (or a record beside it) this user could not
-        replace at the end (a rerun that finds it up to date replaces nothing and is not refused).
-        An object store's permissions are its own: a write it refuses fails in one line."""
+        """Refuse, before any work, a dataset at OUTPUT this user could not replace at the end (a
+        rerun that finds it up to date replaces nothing and is not refused). An object store's
+        permissions are its own: a write it refuses fails in one line."""
         return
 
     @abstractmethod
@@ -178,14 +184,14 @@ class Workdir(ABC):
 
     @abstractmethod
     def publish(self, record: bytes, build_id: str, mark_complete: Callable[[], None]) -> None:
-        """Mark the staging dataset complete (`mark_complete`: the attributes of build
-        `build_id`), put it and its `record` in place, then drop the work.
+        """Put `record` in the staging dataset, mark it complete (`mark_complete`: the attributes
+        of build `build_id`), put it in place, then drop the work.
 
         The work says what it is publishing (`PUBLISHING`, written durably first), so that a run
         killed at any point of this is either resumed (the dataset at OUTPUT is not yet
         `build_id`'s) or finished by the next run's `recover` (it is): once the dataset is in
         place, the work's staging dataset is the *previous* one and must never be resumed.
-        SIGINT/SIGTERM wait until the dataset and its record are in place and the state is gone."""
+        SIGINT/SIGTERM wait until the dataset is in place and the state is gone."""
 
     @abstractmethod
     def recover(self, published_id: str | None) -> str | None:
@@ -204,20 +210,6 @@ class LocalWorkdir(Workdir):
     def check(self) -> None:
         self._check_private()
         self._check_replaceable()
-
-    def _check_record(self) -> None:
-        """The record beside OUTPUT is replaced at every publish: one that is not this user's (in
-        a shared folder such as /tmp, another user could plant one) would fail that after the work."""
-        record = Path(self.paths.record_url)
-        try:
-            st = os.lstat(record)
-        except FileNotFoundError:
-            return
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
-            raise UsageError(
-                f"{record} is not a file of yours; batchctl will not trust or replace it: "
-                "remove it, or choose another OUTPUT."
-            )
 
     def _check_private(self) -> None:
         """Refuse a work folder that is not this user's, or that others could write into: its
@@ -251,7 +243,6 @@ class LocalWorkdir(Workdir):
                 f"OUTPUT {output} belongs to another user and cannot be replaced by you (its folder is shared "
                 "or it is not writable); choose another OUTPUT."
             )
-        self._check_record()
 
     def start(self) -> None:
         self.discard()
@@ -306,8 +297,8 @@ class LocalWorkdir(Workdir):
     def publish(self, record: bytes, build_id: str, mark_complete: Callable[[], None]) -> None:
         """Deleting the old dataset afterwards may be interrupted freely."""
         paths = self.paths
+        _write_durably(paths.staging / RECORD, record)
         mark_complete()
-        _write_durably(paths.workdir / STAGED_RECORD, record)
         _write_durably(paths.workdir / PUBLISHING, build_id.encode())
         _fsync_dir(paths.workdir)
         with signals_ignored():
@@ -321,21 +312,18 @@ class LocalWorkdir(Workdir):
         self.discard()  # the old dataset: its deletion may be interrupted freely
 
     def _finish_publish(self) -> None:
-        """After the dataset is at OUTPUT: the state goes first (nothing left to resume), then the
-        record moves beside OUTPUT; the caller then deletes the work folder (the old dataset)."""
+        """After the dataset is at OUTPUT: the state goes (nothing left to resume), and a record
+        an older batchctl left beside OUTPUT; the caller then deletes the work folder (the old
+        dataset)."""
         paths = self.paths
         paths.state.unlink(missing_ok=True)
         _fsync_dir(paths.workdir)
-        staged = paths.workdir / STAGED_RECORD
-        if staged.exists():
-            try:
-                os.replace(staged, paths.record_url)
-                _fsync_dir(paths.output.parent)
-            except OSError as exc:  # the dataset is in place: only the next incremental build loses
-                self.warnings.append(
-                    f"the record beside OUTPUT could not be written ({exc.strerror}): the next run after a "
-                    "change builds everything"
-                )
+        old = Path(paths.old_record_url)
+        try:
+            if _ours(os.lstat(old)):
+                old.unlink()
+        except OSError:  # none there, or one we may not remove: it is never read again either way
+            pass
 
     def recover(self, published_id: str | None) -> str | None:
         paths = self.paths
@@ -365,7 +353,6 @@ class LocalWorkdir(Workdir):
         if not paths.output.exists() and replaced.is_dir():  # stopped between the two renames
             os.rename(replaced, paths.output)
             _fsync_dir(paths.output.parent)
-        (paths.workdir / STAGED_RECORD).unlink(missing_ok=True)
         (paths.workdir / PUBLISHING).unlink()
         _fsync_dir(paths.workdir)
 
@@ -447,21 +434,20 @@ class RemoteWorkdir(Workdir):
             self.fs.rm(stale)
 
     def publish(self, record: bytes, build_id: str, mark_complete: Callable[[], None]) -> None:
-        """The dataset was written in place: the record is staged, the dataset marked complete
-        (its last write), then the record is copied beside it and the work objects go."""
+        """The dataset was written in place: its record goes in, then it is marked complete (its
+        last write), then the work objects go."""
         with signals_ignored():
-            self.fs.pipe_file(self._work_key(STAGED_RECORD), record)
+            self.fs.pipe_file(storage.fs_path(self.paths.record_url), record)
             self.fs.pipe_file(self._work_key(PUBLISHING), build_id.encode())
             mark_complete()
             self._finish_publish()
         self.discard()
 
     def _finish_publish(self) -> None:
-        if self.fs.exists(self._state_key()):
-            self.fs.rm(self._state_key())
-        staged = self._work_key(STAGED_RECORD)
-        if self.fs.exists(staged):
-            self.fs.pipe_file(storage.fs_path(self.paths.record_url), self.fs.cat_file(staged))
+        """The state goes, and a record an older batchctl copied beside OUTPUT."""
+        for key in (self._state_key(), storage.fs_path(self.paths.old_record_url)):
+            if self.fs.exists(key):
+                self.fs.rm(key)
 
     def recover(self, published_id: str | None) -> str | None:
         marker = self._work_key(PUBLISHING)
@@ -473,10 +459,8 @@ class RemoteWorkdir(Workdir):
         with signals_ignored():
             if finished:
                 self._finish_publish()
-            else:
-                left = [key for key in (marker, self._work_key(STAGED_RECORD)) if self.fs.exists(key)]
-                if left:
-                    self.fs.rm(left)
+            elif self.fs.exists(marker):
+                self.fs.rm(marker)
         if not finished:
             return None
         self.discard()
@@ -574,6 +558,11 @@ def _exchange(a: Path, b: Path) -> bool:
     if ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
         return False
     raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()), str(b))
+
+
+def _ours(st: os.stat_result) -> bool:
+    """A regular file of this user's."""
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid()
 
 
 def _replaceable(output: Path) -> bool:

@@ -303,7 +303,7 @@ class DatasetFiles:
         for name in self._children():
             try:
                 doc = json.loads(self.read(f"{name}/{ZARR_JSON}"))
-            except FileNotFoundError:
+            except (FileNotFoundError, NotADirectoryError):  # a file such as the record: not an array
                 continue
             except ValueError as exc:
                 raise FormatError(f"{self.location}: {name}/{ZARR_JSON} is damaged ({exc})") from None
