@@ -869,7 +869,7 @@ class _Builder:
         self.progress.error(relpath, reason)
         limit = self.options.max_errors
         if limit == 0:
-            raise BuildFailed(f"{relpath} was skipped ({reason}) and --strict allows no skipped file", self.report)
+            raise BuildFailed(f"{relpath} was skipped ({reason}); --strict (--max-errors 0) allows none", self.report)
         if limit is not None and len(self.report.errors) > limit:
             raise BuildFailed(f"more than {limit} files were skipped with errors (--max-errors {limit})", self.report)
 

@@ -173,7 +173,7 @@ def test_summaries_say_what_happened(tmp_path: Path) -> None:
     assert code == 0 and f"{out}: OK (" in err
     (tmp_path / "tok.py").write_text(PLUGIN.replace("return", "raise ValueError('no tokens')\n    return"))
     code, err = run_in(tmp_path, *args, "--strict", "--force")
-    assert code == 1 and "was skipped (ValueError: no tokens) and --strict allows no skipped file" in err, err
+    assert code == 1 and "was skipped (ValueError: no tokens); --strict (--max-errors 0) allows none" in err, err
     code, out_text = _preview_rows(tmp_path, out)  # the failed build changed nothing at OUTPUT
     assert code == 0 and out_text.splitlines()[0].split() == ["source", "tokens"], out_text
     assert "t1.txt" in out_text and "[2 2 2 2] (4,)" in out_text

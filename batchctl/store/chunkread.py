@@ -185,8 +185,14 @@ class ChunkReader:
         bytes (one buffer for the whole chunk, or one per row: the loader hands each row's place
         in the batch it will go to, so a shuffle costs no copy). Uncompressed chunks are read from
         the file straight into them; compressed ones decoded, then copied. Checksums are checked."""
+        if not all(row.flags.c_contiguous for row in rows):
+            raise ValueError("every buffer must be C-contiguous (a copy would be written instead)")
+        views = [row.reshape(-1).view(np.uint8) for row in rows]
+        size = self.dtype.itemsize * int(np.prod(self.chunk_shape))
+        if sum(view.nbytes for view in views) != size:
+            raise ValueError(f"the buffers hold {sum(view.nbytes for view in views)} bytes, a chunk {size}")
         try:
-            self._read_rows(chunk, [row.reshape(-1).view(np.uint8) for row in rows])
+            self._read_rows(chunk, views)
         except FormatError:
             raise
         except (RuntimeError, ValueError) as exc:  # what the decoders raise on bad bytes
@@ -200,9 +206,7 @@ class ChunkReader:
         offset, nbytes = (int(v) for v in index[position])
         if offset == NO_CHUNK:  # zarr would read fill values; in a batchctl dataset it is damage
             raise FormatError(f"{self.arr.name} shard {shard}: batch {chunk} is missing from the shard")
-        size = self.dtype.itemsize * int(np.prod(self.chunk_shape))
-        if sum(row.nbytes for row in rows) != size:
-            raise ValueError(f"the buffers hold {sum(row.nbytes for row in rows)} bytes, a chunk {size}")
+        size = sum(row.nbytes for row in rows)
         if self.inner == ["bytes", "crc32c"] and nbytes == size + 4:
             # uncompressed: read into the buffers by the kernel, as np.load does; no mapping, no copy
             stored = bytearray(4)
