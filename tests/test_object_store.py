@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -38,7 +40,10 @@ def s3_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     log = tmp_path_factory.mktemp("moto") / "server.log"
     with open(log, "w") as out:
         server = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=out, stderr=out
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+            stdout=out,
+            stderr=out,
+            env={**os.environ, "MOTO_RECORDER_FILEPATH": str(log.parent / "recording")},  # see `requests_made`
         )
     endpoint = f"http://127.0.0.1:{port}"
     saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
@@ -304,3 +309,50 @@ def test_a_store_that_goes_away_or_freezes_mid_build_ends_it_in_one_line(
     assert "OUTPUT is marked incomplete until a rerun finishes it" in stderr, stderr
     assert took < 60, took
     assert wait_group_gone(proc.pid) == []
+
+
+@contextlib.contextmanager
+def requests_made(endpoint: str) -> Iterator[list[dict[str, Any]]]:
+    """The requests the S3 server received inside the block, as it recorded them."""
+    import urllib.request
+
+    def call(action: str) -> bytes:
+        method = "GET" if action == "download-recording" else "POST"
+        request = urllib.request.Request(f"{endpoint}/moto-api/recorder/{action}", method=method, data=None)
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return bytes(response.read())
+
+    made: list[dict[str, Any]] = []
+    call("reset-recording")
+    call("start-recording")
+    try:
+        yield made
+    finally:
+        call("stop-recording")
+        made += [json.loads(line) for line in call("download-recording").decode().splitlines() if line.strip()]
+
+
+def test_each_batch_is_one_ranged_read_of_its_bytes(image_folder: Path, bucket: str, s3_endpoint: str) -> None:
+    """Counted at the server: reading every batch of a URL dataset fetches each shard's index once
+    and each batch's chunk bytes once (one ranged GET per field and batch), never a whole shard."""
+    url = f"s3://{bucket}/ranged.zarr"
+    args = ("--batch-size", "8", "--shard-batches", "3", "--resize", "24", "--crop", "16")
+    assert run_cli("build", image_folder, "-o", url, *args).returncode == 0
+    ds = batchctl.open(url)
+    fields, batches = len(ds.arrays), len(ds)
+    shards = -(-batches // 3)
+    with requests_made(s3_endpoint) as made:
+        for i in range(batches):
+            ds[i]
+    shard_gets = [r for r in made if r["method"] == "GET" and "/c/" in r["url"]]
+    ranged = [r for r in shard_gets if "Range" in r["headers"] or "range" in r["headers"]]
+    assert len(ranged) == len(shard_gets)  # no whole-shard download
+    assert len(shard_gets) == fields * (batches + shards)  # each chunk once, each index once
+    fs = _fs(s3_endpoint)
+    stored = sum(fs.size(p) for p in fs.find(f"{bucket}/ranged.zarr") if "/c/" in p)
+    fetched = 0
+    for r in ranged:
+        spec = (r["headers"].get("Range") or r["headers"]["range"]).removeprefix("bytes=")
+        first, _, last = spec.partition("-")
+        fetched += int(last) - int(first) + 1 if first else int(last)
+    assert fetched <= 1.02 * stored, (fetched, stored)  # indexes included

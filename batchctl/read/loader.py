@@ -45,6 +45,7 @@ class BatchSource(Protocol):
     build_id: str
     batch_size: int
     num_samples: int
+    remote: bool  # on an object store: reads wait on the network, not on a core
 
     @property
     def fields(self) -> dict[str, tuple[tuple[int, ...], np.dtype[Any]]]: ...
@@ -342,7 +343,9 @@ def _read(dataset: BatchSource, order: EpochOrder, batches: Iterable[int], prefe
     wanted = list(batches)
     if not wanted:
         return
-    threads = max(1, min(prefetch, len(os.sched_getaffinity(0))))
+    # one thread per core for local reads (they need a core each); from an object store, one per
+    # stored batch read ahead: each waits on the network, so `prefetch` of them are in flight
+    threads = max(1, prefetch if dataset.remote else min(prefetch, len(os.sched_getaffinity(0))))
     pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="batchctl-read")
     try:
         reads = _GroupReads(dataset, order, pool, set(wanted))

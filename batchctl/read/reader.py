@@ -48,13 +48,20 @@ class Dataset:
         self.num_samples = self.attrs.num_samples if self.attrs.complete else self._rows_present()
         self.num_batches = fmt.num_batches(self.num_samples, self.batch_size)
         self.classes: list[str] | None = self.attrs.classes
-        # shard files are read straight from a local disk; a URL, or a layout batchctl does not
-        # write, is read through zarr (which reads a missing shard as fill values: checked first)
-        self._fast = {
-            name: fmt.ChunkReader.for_array(self._root, fmt.ArrayMeta.of_zarr(arr)) if self._root else None
-            for name, arr in self.arrays.items()
+        # batches are read straight from the shard files: a local one's by pread, an object's by
+        # one ranged read each; a layout batchctl does not write is read through zarr (which reads
+        # a missing shard as fill values: checked first)
+        self.remote = self._root is None
+        self._fast: dict[str, fmt.ChunkReader | fmt.RemoteChunkReader | None] = {
+            name: self._chunk_reader(fmt.ArrayMeta.of_zarr(arr)) for name, arr in self.arrays.items()
         }
         self._present: set[tuple[str, int]] = set()
+
+    def _chunk_reader(self, meta: fmt.ArrayMeta) -> fmt.ChunkReader | fmt.RemoteChunkReader | None:
+        if self._root is not None:
+            return fmt.ChunkReader.for_array(self._root, meta)
+        fs, root = storage.locate(self.path, self.storage_options)
+        return fmt.RemoteChunkReader.for_array(fs, root, meta)
 
     def _rows_present(self) -> int:
         return min((arr.shape[0] for arr in self.arrays.values()), default=0)

@@ -21,7 +21,12 @@ import numpy as np
 
 from batchctl.errors import FormatError, IncompleteDatasetError
 from batchctl.store import storage
-from batchctl.store.chunkread import ChunkReader as ChunkReader, DatasetRoot as DatasetRoot, RowReader as RowReader
+from batchctl.store.chunkread import (
+    ChunkReader as ChunkReader,
+    DatasetRoot as DatasetRoot,
+    RemoteChunkReader as RemoteChunkReader,
+    RowReader as RowReader,
+)
 from batchctl.store.codec import (
     NO_CHUNK as NO_CHUNK,
     ChunkEncoder as ChunkEncoder,
