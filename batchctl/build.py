@@ -531,7 +531,7 @@ class _Builder:
         return plan, record
 
     def _read_record(self, attrs: meta.DatasetAttrs) -> incremental.Record | None:
-        """The dataset's record: inside it, or beside it for a dataset batchctl 0.1 published
+        """The dataset's record: inside it, or beside it for a dataset an earlier batchctl published
         (its hash in the dataset's attributes vouches for it either way)."""
         for where in (self.paths.record_url, self.paths.old_record_url):
             found = incremental.read_record(where, self.options.storage_options, attrs.build_id, attrs.record_sha256)

@@ -272,7 +272,7 @@ def test_the_record_travels_with_the_dataset(tmp_path: Path) -> None:
     (src / "t8.txt").write_text("y" * 9)
     code, err = run_in(tmp_path, "build", src, "-o", moved, *plugin)
     assert code == 0 and "building everything" not in err and "1 added" in err, err
-    # a dataset published by batchctl 0.1 kept its record beside it: still used, then moved in
+    # a dataset an earlier batchctl published kept its record beside it: still used, then removed
     os.rename(moved / "batchctl.record", moved.parent / ".t.zarr.batchctl.record")
     (src / "t9.txt").write_text("z" * 10)
     code, err = run_in(tmp_path, "build", src, "-o", moved, *plugin)

@@ -100,7 +100,7 @@ class BuildPaths:
 
     @property
     def old_record_url(self) -> str:
-        """Where batchctl before 0.2 kept the record: beside OUTPUT (read once, then removed)."""
+        """Where an earlier batchctl kept the record: beside OUTPUT (read if none is inside, then removed)."""
         return f"{self._beside}.record"
 
     def spill_url(self, group: int) -> str:
