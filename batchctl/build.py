@@ -194,7 +194,7 @@ def build_options(**given: Any) -> BuildOptions:
     if kwargs.pop("sorted", False):
         kwargs["seed"] = None
     pp_options = dict(kwargs.pop("preprocess_options", None) or {})
-    pp_options.update(_key_values(kwargs.pop("option", None), parse_option))
+    pp_options.update(_key_values(kwargs.pop("option", None), lambda text: dict([parse_option(text)])))
     for name in PREPROCESS_FLAGS:
         value = kwargs.pop(name, None)
         if value is not None and value is not False:
@@ -212,18 +212,15 @@ def build_options(**given: Any) -> BuildOptions:
     return BuildOptions(**kwargs)
 
 
-def _key_values(given: Any, parse: Callable[[str], Any]) -> dict[str, Any]:
+def _key_values(given: Any, parse: Callable[[str], Mapping[str, Any]]) -> dict[str, Any]:
     """A dict as it is, or "key=value" texts parsed one by one."""
     if given is None:
         return {}
     if isinstance(given, Mapping):
         return dict(given)
-    if isinstance(given, str):
-        given = [given]
     found: dict[str, Any] = {}
-    for text in given:
-        parsed = parse(text)
-        found.update(parsed if isinstance(parsed, Mapping) else dict([parsed]))
+    for text in [given] if isinstance(given, str) else given:
+        found.update(parse(text))
     return found
 
 
@@ -910,8 +907,8 @@ class _Builder:
         notes = self.preprocessor.describe(self.pp_options) if self.preprocessor.describe else {}
 
         def mark_complete() -> None:
-            meta.describe_arrays(self.paths.staging_files, discovery.classes, notes)
-            meta.write_dataset_attrs(self.paths.staging_files, attrs)  # consolidates the arrays' documents
+            arrays = meta.describe_arrays(self.paths.staging_files, discovery.classes, notes)
+            meta.write_dataset_attrs(self.paths.staging_files, attrs, arrays=arrays)  # consolidates them
 
         self.work.publish(raw, self.build_id, mark_complete)
         for warning in self.work.warnings:

@@ -149,9 +149,7 @@ class IterableBatches(IterableDataset[dict[str, Any]]):
         return self._pass
 
     def _rank_steps(self, current: _Pass) -> Sequence[int]:
-        loader = self._loader()
-        loader.set_epoch(current.epoch)
-        return loader.batches(current.start)
+        return self._loader().batches(current.start, current.epoch)
 
     @staticmethod
     def _worker() -> tuple[int, int]:

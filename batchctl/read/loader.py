@@ -268,10 +268,10 @@ class Loader:
         if epoch != self.epoch:
             self.epoch, self.position = int(epoch), 0
 
-    def batches(self, position: int | None = None) -> Sequence[int]:
-        """This rank's output batches of the current epoch from `position` (default: the current one)."""
+    def batches(self, position: int | None = None, epoch: int | None = None) -> Sequence[int]:
+        """This rank's output batches of `epoch` from `position` (default: the current ones)."""
         position = self.position if position is None else position
-        total = self.order().batches
+        total = self.order(epoch).batches
         return rank_batches(total, position, self.rank, self.world_size, self.options.drop_last)
 
     def __len__(self) -> int:
@@ -352,8 +352,9 @@ def _read(dataset: BatchSource, order: EpochOrder, batches: Iterable[int], prefe
         held: deque[_Group] = deque()  # in the order they are needed
         upcoming = _group_visits(order, wanted)
         for batch in wanted:
-            needs = len(order.groups_of(batch))
-            while held and held[0].group != order.groups_of(batch)[0]:
+            groups = order.groups_of(batch)
+            needs = len(groups)
+            while held and held[0].group != groups[0]:
                 held.popleft()  # groups before this batch's first are done with
             while len(held) < needs:
                 held.append(reads.start(next(upcoming)))

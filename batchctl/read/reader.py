@@ -52,16 +52,15 @@ class Dataset:
         # one ranged read each; a layout batchctl does not write is read through zarr (which reads
         # a missing shard as fill values: checked first)
         self.remote = self._root is None
-        self._fast: dict[str, fmt.ChunkReader | fmt.RemoteChunkReader | None] = {
-            name: self._chunk_reader(fmt.ArrayMeta.of_zarr(arr)) for name, arr in self.arrays.items()
-        }
+        self._fast = self._chunk_readers()
         self._present: set[tuple[str, int]] = set()
 
-    def _chunk_reader(self, meta: fmt.ArrayMeta) -> fmt.ChunkReader | fmt.RemoteChunkReader | None:
+    def _chunk_readers(self) -> dict[str, fmt.ChunkReader | fmt.RemoteChunkReader | None]:
+        metas = {name: fmt.ArrayMeta.of_zarr(arr) for name, arr in self.arrays.items()}
         if self._root is not None:
-            return fmt.ChunkReader.for_array(self._root, meta)
+            return {name: fmt.ChunkReader.for_array(self._root, meta) for name, meta in metas.items()}
         fs, root = storage.locate(self.path, self.storage_options)
-        return fmt.RemoteChunkReader.for_array(fs, root, meta)
+        return {name: fmt.RemoteChunkReader.for_array(fs, root, meta) for name, meta in metas.items()}
 
     def _rows_present(self) -> int:
         return min((arr.shape[0] for arr in self.arrays.values()), default=0)

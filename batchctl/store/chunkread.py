@@ -3,12 +3,13 @@ that a reader keeps the version it opened (the reader and an incremental build's
 
 from __future__ import annotations
 
+import contextlib
 import io
 import mmap
 import os
 import stat
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -185,20 +186,9 @@ class ChunkReader:
         bytes (one buffer for the whole chunk, or one per row: the loader hands each row's place
         in the batch it will go to, so a shuffle costs no copy). Uncompressed chunks are read from
         the file straight into them; compressed ones decoded, then copied. Checksums are checked."""
-        if not all(row.flags.c_contiguous for row in rows):
-            raise ValueError("every buffer must be C-contiguous (a copy would be written instead)")
-        views = [row.reshape(-1).view(np.uint8) for row in rows]
-        size = self.dtype.itemsize * int(np.prod(self.chunk_shape))
-        if sum(view.nbytes for view in views) != size:
-            raise ValueError(f"the buffers hold {sum(view.nbytes for view in views)} bytes, a chunk {size}")
-        try:
+        views = row_views(rows, self.dtype.itemsize * int(np.prod(self.chunk_shape)))
+        with corrupt_data_named(self.arr.name, chunk):
             self._read_rows(chunk, views)
-        except FormatError:
-            raise
-        except (RuntimeError, ValueError) as exc:  # what the decoders raise on bad bytes
-            raise FormatError(
-                f"{self.arr.name} batch {chunk}: corrupt data ({exc}); `batchctl verify` lists all"
-            ) from exc
 
     def _read_rows(self, chunk: int, rows: list[np.ndarray]) -> None:
         shard, position = divmod(chunk, self.per_shard)
@@ -229,10 +219,7 @@ class ChunkReader:
             return
         whole = self._scratch(size)
         self._decode(shard, position, mapped, offset, nbytes, whole)
-        at = 0
-        for row in rows:
-            row[:] = whole[at : at + row.nbytes]
-            at += row.nbytes
+        spread(whole, rows)
 
     def _scratch(self, size: int) -> np.ndarray:
         """This thread's buffer for a decoded chunk whose rows go elsewhere (reused: warm pages)."""
@@ -322,18 +309,39 @@ class RemoteChunkReader:
 
     def read_rows(self, chunk: int, rows: list[np.ndarray]) -> None:
         """Chunk `chunk` into `rows` (C-contiguous buffers laid end to end, as `ChunkReader.read_rows`)."""
-        whole = np.empty(self.chunk_shape, self.dtype) if len(rows) > 1 else rows[0]
-        flat = whole.reshape(-1).view(np.uint8)
-        where = f"{self.arr.name} batch {chunk}"
-        try:
-            decode_chunk(self.inner, memoryview(self.fetch(chunk)), flat, where)
-        except FormatError:
-            raise
-        except (RuntimeError, ValueError) as exc:  # what the decoders raise on bad bytes
-            raise FormatError(f"{where}: corrupt data ({exc}); `batchctl verify` lists all") from exc
-        if len(rows) > 1:
-            at = 0
-            for row in rows:
-                size = row.nbytes
-                row.reshape(-1).view(np.uint8)[:] = flat[at : at + size]
-                at += size
+        views = row_views(rows, self.dtype.itemsize * int(np.prod(self.chunk_shape)))
+        whole = views[0] if len(views) == 1 else np.empty(sum(view.nbytes for view in views), np.uint8)
+        with corrupt_data_named(self.arr.name, chunk):
+            decode_chunk(self.inner, memoryview(self.fetch(chunk)), whole, f"{self.arr.name} batch {chunk}")
+        if len(views) > 1:
+            spread(whole, views)
+
+
+def row_views(rows: list[np.ndarray], chunk_bytes: int) -> list[np.ndarray]:
+    """The buffers a chunk is read into, as flat bytes: C-contiguous (a reshape of any other
+    would be a copy, written instead of them) and one chunk's bytes together."""
+    if not all(row.flags.c_contiguous for row in rows):
+        raise ValueError("every buffer must be C-contiguous (a copy would be written instead)")
+    views = [row.reshape(-1).view(np.uint8) for row in rows]
+    if sum(view.nbytes for view in views) != chunk_bytes:
+        raise ValueError(f"the buffers hold {sum(view.nbytes for view in views)} bytes, a chunk {chunk_bytes}")
+    return views
+
+
+def spread(whole: np.ndarray, rows: list[np.ndarray]) -> None:
+    """A decoded chunk's bytes into the buffers laid end to end."""
+    at = 0
+    for row in rows:
+        row[:] = whole[at : at + row.nbytes]
+        at += row.nbytes
+
+
+@contextlib.contextmanager
+def corrupt_data_named(name: str, chunk: int) -> Iterator[None]:
+    """What the decoders raise on bad bytes, as a FormatError naming the array and batch."""
+    try:
+        yield
+    except FormatError:
+        raise
+    except (RuntimeError, ValueError) as exc:
+        raise FormatError(f"{name} batch {chunk}: corrupt data ({exc}); `batchctl verify` lists all") from exc

@@ -17,7 +17,7 @@ import numpy as np
 
 from batchctl.errors import FormatError
 from batchctl.store import journal, storage
-from batchctl.store.zarrmeta import DatasetFiles
+from batchctl.store.zarrmeta import ArrayMeta, DatasetFiles
 
 FORMAT_VERSION = 2  # 2: `source` as UTF-8 bytes in a uint8 array (core Zarr v3 types only)
 ATTRS_KEY = "batchctl"
@@ -210,10 +210,12 @@ def dimension_names(name: str, ndim: int) -> list[str]:
     return [f"{name}_dim{i}" for i in range(ndim)]
 
 
-def describe_arrays(files: DatasetFiles, classes: list[str] | None, notes: ArrayNotes) -> None:
+def describe_arrays(files: DatasetFiles, classes: list[str] | None, notes: ArrayNotes) -> dict[str, ArrayMeta]:
     """Give each array what a reader that opens it alone needs (tensorstore, zarrs, dask): the
     class names on `label`, the encoding of `source`, and the preprocessor's notes (an image's
-    `height`, `width`, `channel` dimensions and its layout) in its own `zarr.json`."""
+    `height`, `width`, `channel` dimensions and its layout) in its own `zarr.json`. Returns the
+    arrays as written."""
+    described = {}
     for name, meta in files.arrays().items():
         note = notes.get(name, {})
         named = list(note.get("dimension_names") or ())
@@ -221,13 +223,20 @@ def describe_arrays(files: DatasetFiles, classes: list[str] | None, notes: Array
         attributes = {**meta.attributes, **OWN_ATTRIBUTES.get(name, {}), **dict(note.get("attributes") or {})}
         if name == LABEL and classes is not None:
             attributes["classes"] = list(classes)  # label i is classes[i]
-        files.write_array(replace(meta, dimension_names=("sample", *rows), attributes=attributes))
+        described[name] = replace(meta, dimension_names=("sample", *rows), attributes=attributes)
+        files.write_array(described[name])
+    return described
 
 
-def write_dataset_attrs(files: DatasetFiles, attrs: DatasetAttrs, new: bool = False) -> None:
+def write_dataset_attrs(
+    files: DatasetFiles, attrs: DatasetAttrs, new: bool = False, arrays: Mapping[str, ArrayMeta] | None = None
+) -> None:
     """Set the group's batchctl attributes; `new`: a new, empty group in place of what was there.
-    A complete dataset's group also consolidates its arrays' documents (their final ones)."""
+    A complete dataset's group also consolidates its arrays' documents (their final ones:
+    `arrays`, or read again)."""
     if new:
         files.create_group({ATTRS_KEY: attrs.to_json()})
+    elif attrs.complete:
+        files.update_group_attributes({ATTRS_KEY: attrs.to_json()}, arrays if arrays is not None else files.arrays())
     else:
-        files.update_group_attributes({ATTRS_KEY: attrs.to_json()}, consolidate=attrs.complete)
+        files.update_group_attributes({ATTRS_KEY: attrs.to_json()})

@@ -288,10 +288,11 @@ class DatasetFiles:
             raise FormatError(f"{self.location}/{ZARR_JSON} is not a Zarr group's")
         return dict(doc.get("attributes") or {})
 
-    def update_group_attributes(self, attributes: Mapping[str, Any], consolidate: bool = False) -> None:
-        """The group's attributes with these keys replaced (as zarr's `group.attrs.update`);
-        `consolidate`: with the arrays' documents as they are now."""
-        arrays = self.arrays() if consolidate else None
+    def update_group_attributes(
+        self, attributes: Mapping[str, Any], arrays: Mapping[str, ArrayMeta] | None = None
+    ) -> None:
+        """The group's attributes with these keys replaced (as zarr's `group.attrs.update`), and
+        with `arrays`, their documents consolidated in it."""
         self.write(ZARR_JSON, [encode(group_json({**self.group_attributes(), **attributes}, arrays))])
 
     def write_array(self, meta: ArrayMeta) -> None:
