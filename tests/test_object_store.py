@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -356,3 +359,189 @@ def test_each_batch_is_one_ranged_read_of_its_bytes(image_folder: Path, bucket: 
         first, _, last = spec.partition("-")
         fetched += int(last) - int(first) + 1 if first else int(last)
     assert fetched <= 1.02 * stored, (fetched, stored)  # indexes included
+
+
+SMALL = ("--batch-size", "4", "--shard-batches", "3", "--resize", "24", "--crop", "16")
+
+
+def _epoch(ds: batchctl.Dataset, **options: Any) -> list[dict[str, np.ndarray]]:
+    return list(ds.loader(batch_size=5, mix=4, seed=3, **options))
+
+
+def _same_batches(got: list[dict[str, np.ndarray]], want: list[dict[str, np.ndarray]]) -> None:
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        assert a.keys() == b.keys()
+        for name in a:
+            np.testing.assert_array_equal(a[name], b[name])
+
+
+def _data_gets(made: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in made if r["method"] == "GET" and "/c/" in r["url"]]
+
+
+def _cached_bytes(cache: Path) -> int:
+    """What the cache holds on disk: its files, written and being written (the ledger aside)."""
+    return sum(f.stat().st_size for f in (cache / "data").iterdir()) if (cache / "data").exists() else 0
+
+
+def test_a_cached_epoch_sends_no_data_gets_and_a_rebuild_is_never_served_stale(
+    tmp_path: Path, bucket: str, s3_endpoint: str
+) -> None:
+    folder, url, cache = tmp_path / "data", f"s3://{bucket}/cached.zarr", tmp_path / "cache"
+    make_image_folder(folder, 40, sides=(40, 80))
+    assert run_cli("build", folder, "-o", url, *SMALL).returncode == 0
+    plain = _epoch(batchctl.open(url))
+    with requests_made(s3_endpoint) as first:
+        _same_batches(_epoch(batchctl.open(url, cache_dir=cache, cache_limit="1GB")), plain)
+    with requests_made(s3_endpoint) as second:  # a new process's view: nothing kept in memory
+        again = batchctl.open(url, cache_dir=cache, cache_limit="1GB")
+        _same_batches(_epoch(again), plain)
+    assert _data_gets(first) and _data_gets(second) == []
+    assert 0 < _cached_bytes(cache) == again.cache.held_bytes()  # type: ignore[union-attr]
+
+    victim = sorted((folder / "cat").glob("*.jpg"))[0]
+    source = f"cat/{victim.name}"
+    new_image(tmp_path, victim, 99)  # a changed file: a new version at the URL
+    assert run_cli("build", folder, "-o", url, *SMALL).returncode == 0
+    rebuilt = batchctl.open(url, cache_dir=cache, cache_limit="1GB")
+    assert rebuilt.build_id != again.build_id
+    assert _cached_bytes(cache) == 0  # the old version's files are dropped as the new one is opened
+    _same_batches(_epoch(rebuilt), _epoch(batchctl.open(url)))
+
+    def image_of(batches: list[dict[str, np.ndarray]]) -> np.ndarray:
+        return next(img for b in batches for s, img in zip(b["source"], b["image"], strict=True) if s == source)
+
+    assert not np.array_equal(image_of(_epoch(rebuilt)), image_of(plain))  # the new bytes, not the cached old ones
+
+
+_READER = """
+import hashlib, json, sys
+import batchctl
+url, cache, limit = sys.argv[1:4]
+ds = batchctl.open(url, cache_dir=cache, cache_limit=int(limit))
+digest = hashlib.sha256()
+for epoch in range(2):
+    loader = ds.loader(batch_size=5, mix=4, seed=3, prefetch=2)
+    loader.set_epoch(epoch)
+    for batch in loader:
+        digest.update(batch["image"].tobytes())
+print(digest.hexdigest())
+"""
+
+
+def test_two_processes_sharing_a_cache_hold_its_limit_and_a_too_small_one_is_refused(
+    tmp_path: Path, bucket: str, s3_endpoint: str
+) -> None:
+    folder, url, cache = tmp_path / "data", f"s3://{bucket}/shared.zarr", tmp_path / "cache"
+    make_image_folder(folder, 60, sides=(40, 80))
+    assert run_cli("build", folder, "-o", url, *SMALL).returncode == 0
+    ds = batchctl.open(url)
+    limit = 6 * ds.stored_batch_bytes()  # about a third of the dataset: evictions all the time
+    want = hashlib.sha256()
+    for epoch in range(2):
+        loader = ds.loader(batch_size=5, mix=4, seed=3)
+        loader.set_epoch(epoch)
+        for batch in loader:
+            want.update(batch["image"].tobytes())
+    readers = [
+        subprocess.Popen(
+            [sys.executable, "-c", _READER, url, str(cache), str(limit)], stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
+    peak = 0
+    while any(r.poll() is None for r in readers):
+        with contextlib.suppress(FileNotFoundError):  # a file evicted while it was counted
+            peak = max(peak, _cached_bytes(cache))
+    assert [r.communicate()[0].strip() for r in readers] == [want.hexdigest()] * 2
+    assert [r.returncode for r in readers] == [0, 0]
+    assert 0 < peak <= limit and _cached_bytes(cache) <= limit
+
+    small = batchctl.open(url, cache_dir=cache, cache_limit=ds.stored_batch_bytes() * 3)
+    with pytest.raises(batchctl.UsageError, match="cache_limit") as refused:
+        small.loader(prefetch=8)
+    assert "\n" not in str(refused.value) and "prefetch" in str(refused.value)
+
+
+def test_a_deleted_cache_folder_and_a_corrupt_cached_file_are_fetched_again(
+    tmp_path: Path, bucket: str, s3_endpoint: str
+) -> None:
+    url, cache = f"s3://{bucket}/damage.zarr", tmp_path / "cache"
+    folder = tmp_path / "data"
+    make_image_folder(folder, 40, sides=(40, 80))
+    assert run_cli("build", folder, "-o", url, *SMALL).returncode == 0
+    plain = _epoch(batchctl.open(url))
+    got = []
+    for i, batch in enumerate(
+        batchctl.open(url, cache_dir=cache, cache_limit="1GB").loader(batch_size=5, mix=4, seed=3)
+    ):
+        got.append(batch)
+        if i == 2:
+            shutil.rmtree(cache)  # mid-epoch: what is read next is fetched, and cached again
+    _same_batches(got, plain)
+    assert _cached_bytes(cache) > 0
+
+    _epoch(batchctl.open(url, cache_dir=cache, cache_limit="1GB"))  # everything cached
+    files = sorted((cache / "data").iterdir())
+    for file in files:  # every cached index and chunk damaged on local disk
+        data = bytearray(file.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        file.write_bytes(bytes(data))
+    with requests_made(s3_endpoint) as made:
+        _same_batches(_epoch(batchctl.open(url, cache_dir=cache, cache_limit="1GB")), plain)
+    assert len(_data_gets(made)) == len(files)  # each damaged file fetched once more
+    with requests_made(s3_endpoint) as made:
+        _same_batches(_epoch(batchctl.open(url, cache_dir=cache, cache_limit="1GB")), plain)
+    assert _data_gets(made) == []  # and kept, sound, in place of the damaged one
+
+
+def test_reads_ride_out_a_store_restart_and_end_in_one_error_when_it_stays_down(
+    tmp_path: Path, bucket: str, s3_endpoint: str
+) -> None:
+    """The moto server behind a relay on loopback: stopping the relay is, to the reader, the
+    store going down (refused and reset connections) while its objects stay."""
+    from .netproxy import Relay
+
+    url = f"s3://{bucket}/flaky.zarr"
+    folder = tmp_path / "data"
+    make_image_folder(folder, 40, sides=(40, 80))
+    assert run_cli("build", folder, "-o", url, *SMALL).returncode == 0
+    plain = _epoch(batchctl.open(url))
+    relay = Relay(int(s3_endpoint.rsplit(":", 1)[1])).start()
+    try:
+        options = {"endpoint_url": relay.endpoint}
+        ds = batchctl.open(url, storage_options=options, retry_for=60)
+        got = []
+        for i, batch in enumerate(ds.loader(batch_size=5, mix=4, seed=3, prefetch=2)):
+            got.append(batch)
+            if i == 1:
+                relay.stop()
+                threading.Timer(2.0, relay.start).start()  # down for 2 s mid-epoch
+        _same_batches(got, plain)
+
+        down = batchctl.open(url, storage_options=options, retry_for=3)
+        relay.stop()
+        stopped = time.monotonic()
+        with pytest.raises(OSError) as ended:
+            _epoch(down)
+        took = time.monotonic() - stopped
+        message = str(ended.value)
+        assert "\n" not in message and url in message and "no answer for 3 s" in message, message
+        assert took < 3 + 2 * 3 + 5, took  # the retry time, and an attempt (3 s here) on each side of it
+    finally:
+        relay.stop()
+
+
+def test_exact_resume_from_a_url(tmp_path: Path, bucket: str, s3_endpoint: str) -> None:
+    url, cache = f"s3://{bucket}/resume.zarr", tmp_path / "cache"
+    folder = tmp_path / "data"
+    make_image_folder(folder, 40, sides=(40, 80))
+    assert run_cli("build", folder, "-o", url, *SMALL).returncode == 0
+    whole = _epoch(batchctl.open(url))
+    loader = batchctl.open(url, cache_dir=cache, cache_limit="1GB").loader(batch_size=5, mix=4, seed=3)
+    first = [batch for _, batch in zip(range(3), loader, strict=False)]
+    state = json.loads(json.dumps(loader.state_dict()))
+    resumed = batchctl.open(url).loader(batch_size=5, mix=4, seed=3)
+    resumed.load_state_dict(state)
+    _same_batches(first + list(resumed), whole)

@@ -23,7 +23,7 @@ import math
 import os
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol, cast
@@ -52,9 +52,9 @@ class BatchSource(Protocol):
 
     def __getitem__(self, index: int) -> Batch: ...
 
-    def read_field(self, name: str, index: int) -> np.ndarray: ...
-
-    def read_rows(self, name: str, index: int, rows: list[np.ndarray]) -> None: ...
+    def read_batch(
+        self, index: int, into: Mapping[str, list[np.ndarray]] | None = None, fields: list[str] | None = None
+    ) -> Batch: ...
 
 
 @dataclass(frozen=True)
@@ -431,22 +431,25 @@ class _GroupReads:
         return target_batch, target_place
 
     def _scatter(self, stored: int, batch: np.ndarray, place: np.ndarray) -> Batch:
-        """Stored batch `stored` into its rows' places (row r to output batch batch[r], place[r])."""
+        """Stored batch `stored` into its rows' places (row r to output batch batch[r], place[r]):
+        big rows read straight into them, small ones (labels) read whole and then placed."""
         taken = np.flatnonzero(batch >= 0)
+        outputs = {
+            name: [self.outputs[int(j)][name] if j >= 0 else None for j in batch.tolist()] for name in self.numeric
+        }
+        into = {}
         for name, (shape, dtype) in self.numeric.items():
-            outputs = [self.outputs[int(j)][name] if j >= 0 else None for j in batch.tolist()]
             if np.dtype(dtype).itemsize * int(np.prod(shape)) >= _ROW_BY_ROW:
                 scratch = self._scratch(name, (len(batch), *shape), dtype)
-                rows = [
+                into[name] = [
                     out[p] if out is not None else scratch[r]
-                    for r, (out, p) in enumerate(zip(outputs, place.tolist(), strict=True))
+                    for r, (out, p) in enumerate(zip(outputs[name], place.tolist(), strict=True))
                 ]
-                self.dataset.read_rows(name, stored, rows)
-            else:
-                values = self.dataset.read_field(name, stored)
-                for r in taken.tolist():
-                    cast(np.ndarray, outputs[r])[place[r]] = values[r]
-        return {SOURCE: self.dataset.read_field(SOURCE, stored)}
+        whole = self.dataset.read_batch(stored, into, [name for name in self.dataset.fields if name not in into])
+        for name in self.numeric.keys() - into.keys():
+            for r in taken.tolist():
+                cast(np.ndarray, outputs[name][r])[place[r]] = whole[name][r]
+        return {SOURCE: whole[SOURCE]}
 
     def _scratch(self, name: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
         """This thread's buffer for the rows of a field no output batch here takes (reused)."""

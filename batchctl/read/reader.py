@@ -10,13 +10,16 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
-from batchctl.errors import BatchctlError, FormatError
+from batchctl.errors import BatchctlError, FormatError, UsageError
 from batchctl.read.loader import Batch, Loader
+from batchctl.report import size_text
 from batchctl.store import format as fmt, storage
+from batchctl.store.cache import ChunkCache
+from batchctl.store.remote import RETRY_FOR_S, RemoteChunkReader, RemoteStore
 
 __all__ = ["Batch", "Dataset", "open"]
 
@@ -29,9 +32,16 @@ class Dataset:
         path: str | os.PathLike[str],
         allow_partial: bool = False,
         storage_options: Mapping[str, object] | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_limit: int | str | None = None,
+        retry_for: float = RETRY_FOR_S,
     ) -> None:
         self.path = storage.normalise(path)
         self.storage_options = dict(storage_options or {})
+        if (cache_dir is not None or cache_limit is not None) and not storage.is_url(self.path):
+            raise UsageError(f"cache_dir and cache_limit are for a dataset at a URL; {self.path} is on local disk")
+        if cache_limit is not None and cache_dir is None:
+            raise UsageError("cache_limit needs cache_dir: the folder the cache is kept in")
         # a local dataset's folder is held open first: what is read next is of this version
         self._root = None if storage.is_url(self.path) else fmt.DatasetRoot(Path(self.path))
         try:
@@ -52,15 +62,45 @@ class Dataset:
         # one ranged read each; a layout batchctl does not write is read through zarr (which reads
         # a missing shard as fill values: checked first)
         self.remote = self._root is None
+        self._store = self._remote_store(cache_dir, cache_limit, retry_for) if self.remote else None
         self._fast = self._chunk_readers()
         self._present: set[tuple[str, int]] = set()
 
-    def _chunk_readers(self) -> dict[str, fmt.ChunkReader | fmt.RemoteChunkReader | None]:
+    def _remote_store(self, cache_dir: Any, cache_limit: int | str | None, retry_for: float) -> RemoteStore:
+        """The objects of this version; cached only when complete (a partial one still grows)."""
+        fs, root = storage.locate(self.path, self.storage_options)
+        cache = None
+        if cache_dir is not None and self.attrs.complete:
+            cache = ChunkCache(cache_dir, cache_limit, self.path, self.build_id)
+        return RemoteStore(fs, root, self.path, cache, retry_for)
+
+    def _chunk_readers(self) -> dict[str, fmt.ChunkReader | RemoteChunkReader | None]:
         metas = {name: fmt.ArrayMeta.of_zarr(arr) for name, arr in self.arrays.items()}
         if self._root is not None:
             return {name: fmt.ChunkReader.for_array(self._root, meta) for name, meta in metas.items()}
-        fs, root = storage.locate(self.path, self.storage_options)
-        return {name: fmt.RemoteChunkReader.for_array(fs, root, meta) for name, meta in metas.items()}
+        assert self._store is not None
+        return {name: RemoteChunkReader.for_array(self._store, meta) for name, meta in metas.items()}
+
+    @property
+    def cache(self) -> ChunkCache | None:
+        """The local cache of a dataset at a URL opened with `cache_dir`."""
+        return None if self._store is None else self._store.cache
+
+    def stored_batch_bytes(self) -> int:
+        """About how many bytes one stored batch takes in the store, all fields: the mean over
+        the first shard (from its indexes; a layout not batchctl's counts its raw size)."""
+        total = 0
+        for name, reader in self._fast.items():
+            if isinstance(reader, RemoteChunkReader) and self.num_batches:
+                if 0 not in reader.indexes:
+                    reader.store.read_chunks(0, [(reader, [np.empty(reader.chunk_bytes, np.uint8)])])
+                sizes = reader.indexes[0][:, 1]
+                present = sizes[reader.indexes[0][:, 0] != fmt.NO_CHUNK]
+                total += int(present.mean()) if len(present) else 0
+            else:
+                arr = self.arrays[name]
+                total += int(np.prod(arr.chunks)) * np.dtype(arr.dtype).itemsize
+        return total
 
     def _rows_present(self) -> int:
         return min((arr.shape[0] for arr in self.arrays.values()), default=0)
@@ -77,31 +117,55 @@ class Dataset:
         return self.num_batches
 
     def __getitem__(self, index: int) -> Batch:
-        return {name: self.read_field(name, index) for name in self.arrays}
+        return self.read_batch(index)
 
     def read_field(self, name: str, index: int) -> np.ndarray:
         """Batch `index` of one field alone."""
-        index, start, stop = self._rows_of(index)
-        reader = self._fast[name]
-        if reader is None:
-            rows = self._read_zarr(name, self.arrays[name], start, stop)
-        else:
-            rows = reader.read(int(index))[: stop - start]
-        return fmt.decode_sources(rows) if name == fmt.SOURCE else rows
+        return self.read_batch(index, fields=[name])[name]
 
     def read_rows(self, name: str, index: int, rows: list[np.ndarray]) -> None:
-        """Batch `index` of a numeric field, row i into `rows[i]` (one C-contiguous buffer per row
-        of a whole stored batch, rows past the dataset's end included): the loader's shuffles
-        put each row in its output batch as it is read, with no copy from a local shard file."""
+        """Batch `index` of a numeric field, row i into `rows[i]` (see `read_batch`)."""
+        self.read_batch(index, into={name: rows}, fields=[])
+
+    def read_batch(
+        self, index: int, into: Mapping[str, list[np.ndarray]] | None = None, fields: list[str] | None = None
+    ) -> Batch:
+        """Stored batch `index`: numeric fields named in `into` read row i into `into[name][i]`
+        (one C-contiguous buffer per row of a whole stored batch, rows past the dataset's end
+        included: the loader's shuffles put each row in its output batch as it is read, with no
+        copy from a local shard file), and `fields` (default: every other one) returned. From a
+        URL every field's bytes are fetched together."""
         index, start, stop = self._rows_of(index)
-        reader = self._fast[name]
-        if name == fmt.SOURCE or len(rows) != self.batch_size:
-            raise ValueError(f"expected {self.batch_size} row buffers of a numeric field, got {len(rows)} of {name}")
-        if reader is not None:
-            reader.read_rows(int(index), rows)
+        into = dict(into or {})
+        for name, rows in into.items():
+            if name == fmt.SOURCE or len(rows) != self.batch_size:
+                raise ValueError(f"expected {self.batch_size} row buffers of numeric {name}, got {len(rows)}")
+        names = [name for name in self.arrays if name not in into] if fields is None else fields
+        whole = {name: self._chunk_buffer(name) for name in names if self._fast[name] is not None}
+        self._read_chunks(index, {**into, **{name: [buffer] for name, buffer in whole.items()}})
+        out: Batch = {}
+        for name in names:
+            values = whole[name][: stop - start] if name in whole else self._read_zarr(name, start, stop)
+            out[name] = fmt.decode_sources(values) if name == fmt.SOURCE else values
+        for name, buffers in into.items():
+            if self._fast[name] is None:
+                for buffer, values in zip(buffers, self._read_zarr(name, start, stop), strict=False):
+                    buffer[...] = values
+        return out
+
+    def _read_chunks(self, index: int, targets: Mapping[str, list[np.ndarray]]) -> None:
+        """Chunk `index` of the fields read by batchctl's own readers into their buffers."""
+        fast = {name: rows for name, rows in targets.items() if self._fast[name] is not None}
+        if self._store is not None:
+            if fast:
+                self._store.read_chunks(index, [(cast(RemoteChunkReader, self._fast[n]), r) for n, r in fast.items()])
             return
-        for row, values in zip(rows, self._read_zarr(name, self.arrays[name], start, stop), strict=False):
-            row[...] = values
+        for name, rows in fast.items():
+            cast(fmt.ChunkReader, self._fast[name]).read_rows(index, rows)
+
+    def _chunk_buffer(self, name: str) -> np.ndarray:
+        arr = self.arrays[name]
+        return np.empty(tuple(int(n) for n in arr.chunks), arr.dtype)
 
     def _rows_of(self, index: int) -> tuple[int, int, int]:
         """The batch index (a negative one counted from the end) and its rows' range."""
@@ -114,7 +178,8 @@ class Dataset:
         start = int(index) * self.batch_size
         return int(index), start, min(start + self.batch_size, self.num_samples)
 
-    def _read_zarr(self, name: str, arr: Any, start: int, stop: int) -> np.ndarray:
+    def _read_zarr(self, name: str, start: int, stop: int) -> np.ndarray:
+        arr = self.arrays[name]
         shard = start // int(arr.shards[0] if arr.shards else arr.chunks[0])
         if (name, shard) not in self._present:
             key = fmt.ArrayMeta.of_zarr(arr).shard_key(shard)
@@ -166,7 +231,22 @@ class Dataset:
         epoch (`mix` stored batches' rows permuted together), one order for any number of ranks,
         and a resume state (`state_dict`) that continues exactly, on this or another world size.
         `prefetch` stored batches are read ahead (default: one group of `mix`). See `Loader`."""
-        return Loader(self, batch_size, shuffle, seed, mix, rank, world_size, drop_last, prefetch)
+        loader = Loader(self, batch_size, shuffle, seed, mix, rank, world_size, drop_last, prefetch)
+        self._check_cache_holds(loader.prefetch)
+        return loader
+
+    def _check_cache_holds(self, prefetch: int) -> None:
+        """Refuse a cache too small for the stored batches a loader reads ahead: each would push
+        out the one before it is used, and the cache would only cost."""
+        cache = self.cache
+        if cache is None or not prefetch:
+            return
+        each = self.stored_batch_bytes()
+        if cache.limit < prefetch * each:
+            raise UsageError(
+                f"cache_limit {size_text(cache.limit)} holds fewer than the {prefetch} stored batches the loader reads "
+                f"ahead (prefetch={prefetch}, about {size_text(each)} each): raise cache_limit or lower prefetch"
+            )
 
     def iter_batches(
         self,
@@ -192,8 +272,18 @@ class Dataset:
 
 
 def open(  # noqa: A001 - the public name
-    path: str | os.PathLike[str], allow_partial: bool = False, storage_options: Mapping[str, object] | None = None
+    path: str | os.PathLike[str],
+    allow_partial: bool = False,
+    storage_options: Mapping[str, object] | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    cache_limit: int | str | None = None,
+    retry_for: float = RETRY_FOR_S,
 ) -> Dataset:
     """Open a complete dataset, a local path or a URL (s3://...); `allow_partial=True` also opens
-    one whose build did not finish. `storage_options` go to the URL's fsspec filesystem."""
-    return Dataset(path, allow_partial=allow_partial, storage_options=storage_options)
+    one whose build did not finish. `storage_options` go to the URL's fsspec filesystem.
+
+    From a URL, `cache_dir` keeps what is read on local disk, at most `cache_limit` bytes (an int
+    or a size such as "20GB"; default half the disk's free space) in that folder, however many
+    processes share it: later epochs read it from there. A read failing for a passing reason is
+    retried for `retry_for` seconds before it ends the epoch with one error."""
+    return Dataset(path, allow_partial, storage_options, cache_dir, cache_limit, retry_for)

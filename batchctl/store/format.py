@@ -24,7 +24,6 @@ from batchctl.store import storage
 from batchctl.store.chunkread import (
     ChunkReader as ChunkReader,
     DatasetRoot as DatasetRoot,
-    RemoteChunkReader as RemoteChunkReader,
     RowReader as RowReader,
 )
 from batchctl.store.codec import (

@@ -96,7 +96,7 @@ class TimedFilesystem:
             except Exception as exc:  # noqa: BLE001 - each store's client raises its own kinds
                 path = args[0] if args and isinstance(args[0], str) else ""
                 timed_out = type(exc).__name__ == "FSTimeoutError"
-                what = f"no answer in {self._timeout:g} s" if timed_out else describe_error(exc)
+                what = f"no answer in {kwargs.get('timeout', self._timeout):g} s" if timed_out else describe_error(exc)
                 raise StoreError(errno.EIO, f"{self._protocol}://{path} ({name}): {what}") from None
 
         return call

@@ -1,0 +1,192 @@
+"""Reading a dataset at a URL (any fsspec filesystem): a stored batch of a field is one ranged
+read of exactly its bytes, found through its shard's index, itself one suffix-range read fetched
+once and kept. A batch's fields (and the indexes it needs) are fetched together, concurrently on
+an async filesystem (s3, gcs, azure), and the loader keeps many batches in flight, so a reader
+waits on bandwidth rather than on one request's latency. What is fetched may be kept in a bounded
+local cache (`ChunkCache`); a read that fails for a passing reason (a reset connection, a 5xx,
+throttling, a store restarting) is retried with backoff for a bounded time."""
+
+from __future__ import annotations
+
+import errno
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, cast
+
+import numpy as np
+
+from batchctl.errors import FormatError
+from batchctl.records import describe_error
+from batchctl.store.cache import ChunkCache
+from batchctl.store.chunkread import corrupt_data_named, decode_chunk, row_views, spread
+from batchctl.store.codec import NO_CHUNK, own_codecs, parse_shard_index
+from batchctl.store.storage import StoreError
+from batchctl.store.zarrmeta import ArrayMeta
+
+RETRY_FOR_S = 60.0  # a read failing for a passing reason is retried this long before the epoch ends
+ATTEMPT_TIMEOUT_S = 30.0  # one attempt (one batch's ranged reads together) gives up after this long
+_FIRST_BACKOFF_S, _MAX_BACKOFF_S = 0.1, 5.0
+_NOT_PASSING = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+
+
+@dataclass(frozen=True)
+class Range:
+    """Bytes of one object: `start` to `end`, or the last -`start` bytes when `end` is None."""
+
+    path: str
+    start: int
+    end: int | None
+    key: str  # its name in the cache
+
+
+class RemoteStore:
+    """The objects of one dataset version at a URL, read range by range."""
+
+    def __init__(self, fs: Any, root: str, url: str, cache: ChunkCache | None, retry_for: float = RETRY_FOR_S) -> None:
+        self.fs, self.root, self.url, self.cache, self.retry_for = fs, root.rstrip("/"), url, cache, retry_for
+        self._failing_since: float | None = None  # when the store stopped answering (monotonic)
+        self._lock = threading.Lock()
+
+    def fetch(self, ranges: list[Range], cached: bool = True) -> list[tuple[bytes, bool]]:
+        """Each range's bytes, and whether they came from the cache. The others are fetched
+        together (one concurrent call), kept in the cache, and retried while they fail for a
+        passing reason, up to `retry_for` seconds."""
+        found = [self.cache.get(r.key) if self.cache is not None and cached else None for r in ranges]
+        missing = [i for i, data in enumerate(found) if data is None]
+        fetched = self._fetch_retrying([ranges[i] for i in missing]) if missing else []
+        for i, data in zip(missing, fetched, strict=True):
+            found[i] = data
+            if self.cache is not None:
+                self.cache.put(ranges[i].key, data)
+        missed = set(missing)
+        return [(cast(bytes, data), i not in missed) for i, data in enumerate(found)]
+
+    def _fetch_retrying(self, ranges: list[Range]) -> list[bytes]:
+        """The ranges' bytes, tried again while they fail for a passing reason. The time left to
+        retry is the store's, not the call's: it runs from the start of the first failed
+        attempt since the store last answered, so the loader's reads in flight give up together."""
+        results: list[bytes | None] = [None] * len(ranges)
+        pending = list(range(len(ranges)))
+        backoff = _FIRST_BACKOFF_S
+        while True:
+            started = time.monotonic()
+            failures = []
+            for i, got in zip(pending, self._attempt([ranges[i] for i in pending]), strict=True):
+                if isinstance(got, BaseException):
+                    failures.append((i, got))
+                else:
+                    results[i] = got
+            if not failures:
+                self._failing_since = None
+                return [r for r in results if r is not None]
+            i, error = failures[0]
+            if isinstance(error, _NOT_PASSING):
+                raise self._failed(ranges[i], error)
+            with self._lock:
+                self._failing_since = self._failing_since or started
+                deadline = self._failing_since + self.retry_for
+            now = time.monotonic()
+            if now >= deadline:
+                what = f"no answer for {self.retry_for:g} s reading {ranges[i].path}"
+                raise StoreError(errno.EIO, f"{self.url}: {what} ({describe_error(error)})")
+            time.sleep(min(backoff, deadline - now))
+            backoff = min(backoff * 2, _MAX_BACKOFF_S)
+            pending = [i for i, _ in failures]
+
+    def _attempt(self, ranges: list[Range]) -> list[bytes | BaseException]:
+        """One try at every range together; a failure of the whole call is every range's."""
+        # an async filesystem's call is cancelled after the timeout; a sync one has its own
+        timeout = {"timeout": max(1.0, min(ATTEMPT_TIMEOUT_S, self.retry_for))} if self.fs.async_impl else {}
+        try:
+            paths, starts, ends = [r.path for r in ranges], [r.start for r in ranges], [r.end for r in ranges]
+            got = self.fs.cat_ranges(paths, starts, ends, on_error="return", **timeout)
+        except Exception as exc:  # noqa: BLE001 - each store's client raises its own kinds
+            return [exc] * len(ranges)
+        return [g if isinstance(g, BaseException) else bytes(g) for g in got]
+
+    def _failed(self, where: Range, error: BaseException) -> Exception:
+        if isinstance(error, FileNotFoundError):
+            return FormatError(f"{self.url}: {where.path} is missing (damaged, or rebuilt since it was opened)")
+        return StoreError(errno.EIO, f"{self.url}: reading {where.path} failed ({describe_error(error)})")
+
+    def read_chunks(self, chunk: int, jobs: list[tuple[RemoteChunkReader, list[np.ndarray]]]) -> None:
+        """Chunk `chunk` of several arrays into their row buffers: the shard indexes not yet
+        known fetched together first, then every chunk together. A cached index or chunk that
+        fails its checksum is dropped from the cache and fetched again."""
+        shard = chunk // jobs[0][0].per_shard
+        unknown = [reader for reader, _ in jobs if shard not in reader.indexes]
+        for reader, got in zip(unknown, self.fetch([r.index_range(shard) for r in unknown]), strict=True):
+            self._checked(reader.index_range(shard), got, lambda data, r=reader: r.keep_index(shard, data))
+        ranges = [reader.chunk_range(chunk) for reader, _ in jobs]
+        for (reader, rows), where, got in zip(jobs, ranges, self.fetch(ranges), strict=True):
+            self._checked(where, got, lambda data, r=reader, rows=rows: r.decode(chunk, data, rows))
+
+    def _checked(self, where: Range, got: tuple[bytes, bool], use: Any) -> None:
+        data, from_cache = got
+        try:
+            use(data)
+        except FormatError:
+            if not from_cache or self.cache is None:
+                raise
+            self.cache.discard(where.key)  # damaged on local disk: the store's copy is fetched again
+            use(self.fetch([where], cached=False)[0][0])
+
+
+class RemoteChunkReader:
+    """One array of a dataset at a URL, read chunk by chunk through its `RemoteStore`. As in
+    `ChunkReader`, every checksum is checked and a missing shard or chunk is damage, not fill
+    values (zarr-python checks for the shard, then reads it through its own per-read path)."""
+
+    def __init__(self, store: RemoteStore, arr: ArrayMeta, inner: list[dict[str, Any]]) -> None:
+        self.store, self.arr = store, arr
+        self.chunk_shape = tuple(int(n) for n in arr.chunks)
+        self.per_shard = arr.grid[0] // self.chunk_shape[0]
+        self.dtype = np.dtype(arr.dtype)
+        self.chunk_bytes = self.dtype.itemsize * int(np.prod(self.chunk_shape))
+        self.inner = [codec["name"] for codec in inner]
+        self.indexes: dict[int, np.ndarray] = {}  # shard -> its index, kept once fetched
+
+    @classmethod
+    def for_array(cls, store: RemoteStore, arr: ArrayMeta) -> RemoteChunkReader | None:
+        inner = own_codecs(arr)
+        return None if inner is None else cls(store, arr, inner)
+
+    def _path(self, shard: int) -> str:
+        return f"{self.store.root}/{self.arr.shard_key(shard)}"
+
+    def index_range(self, shard: int) -> Range:
+        return Range(self._path(shard), -(self.per_shard * 16 + 4), None, f"{self.arr.name}/index/{shard}")
+
+    def keep_index(self, shard: int, raw: bytes) -> None:
+        self.indexes[shard] = parse_shard_index(raw, self.per_shard, f"{self.arr.name} shard {shard}")
+
+    def chunk_range(self, chunk: int) -> Range:
+        """Where chunk `chunk`'s bytes lie (its shard's index known)."""
+        shard, position = divmod(chunk, self.per_shard)
+        offset, nbytes = (int(v) for v in self.indexes[shard][position])
+        if offset == NO_CHUNK:
+            raise FormatError(f"{self.arr.name} shard {shard}: batch {chunk} is missing from the shard")
+        return Range(self._path(shard), offset, offset + nbytes, f"{self.arr.name}/{chunk}")
+
+    def decode(self, chunk: int, data: bytes, rows: list[np.ndarray]) -> None:
+        """A chunk's stored bytes into `rows` (C-contiguous buffers laid end to end)."""
+        views = row_views(rows, self.chunk_bytes)
+        whole = views[0] if len(views) == 1 else np.empty(self.chunk_bytes, np.uint8)
+        where = self.chunk_range(chunk)
+        with corrupt_data_named(self.arr.name, chunk):
+            if len(data) != cast(int, where.end) - where.start:
+                raise FormatError(f"{self.arr.name} batch {chunk}: the shard object is truncated")
+            decode_chunk(self.inner, memoryview(data), whole, f"{self.arr.name} batch {chunk}")
+        if len(views) > 1:
+            spread(whole, views)
+
+    def read(self, chunk: int) -> np.ndarray:
+        """Chunk `chunk` as an array of the full chunk shape (rows past the end are fill)."""
+        out = np.empty(self.chunk_shape, self.dtype)
+        self.read_rows(chunk, [out])
+        return out
+
+    def read_rows(self, chunk: int, rows: list[np.ndarray]) -> None:
+        """Chunk `chunk` into `rows` (C-contiguous buffers laid end to end, as `ChunkReader.read_rows`)."""
+        self.store.read_chunks(chunk, [(self, rows)])
