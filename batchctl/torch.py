@@ -37,16 +37,16 @@ class _Lazy:
     """The dataset, opened here to learn its length and opened again in each process it is
     pickled to (DataLoader workers each get their own)."""
 
-    def __init__(self, path: str | os.PathLike[str], storage_options: Mapping[str, object] | None = None) -> None:
+    def __init__(self, path: str | os.PathLike[str], **open_options: Any) -> None:
         self.path = os.fspath(path)
-        self.storage_options = dict(storage_options or {})
+        self.open_options = open_options  # storage_options, cache_dir, cache_limit: see `batchctl.open`
         self._ds: Dataset | None = None
         self.num_batches = len(self.dataset)
 
     @property
     def dataset(self) -> Dataset:
         if self._ds is None:
-            self._ds = Dataset(self.path, storage_options=self.storage_options)
+            self._ds = Dataset(self.path, **self.open_options)
         return self._ds
 
     def __getstate__(self) -> dict[str, Any]:
@@ -56,8 +56,14 @@ class _Lazy:
 class BatchDataset(TorchDataset[dict[str, Any]]):
     """Stored batch i, for `DataLoader(ds, batch_size=None, shuffle=True, num_workers=k)`."""
 
-    def __init__(self, path: str | os.PathLike[str], storage_options: Mapping[str, object] | None = None) -> None:
-        self._lazy = _Lazy(path, storage_options)
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        storage_options: Mapping[str, object] | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_limit: int | str | None = None,
+    ) -> None:
+        self._lazy = _Lazy(path, storage_options=storage_options, cache_dir=cache_dir, cache_limit=cache_limit)
 
     def __len__(self) -> int:
         return self._lazy.num_batches
@@ -101,8 +107,10 @@ class IterableBatches(IterableDataset[dict[str, Any]]):
         rank: int | None = None,
         world_size: int | None = None,
         storage_options: Mapping[str, object] | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_limit: int | str | None = None,
     ) -> None:
-        self._lazy = _Lazy(path, storage_options)
+        self._lazy = _Lazy(path, storage_options=storage_options, cache_dir=cache_dir, cache_limit=cache_limit)
         distributed = dist.is_available() and dist.is_initialized()
         self.rank = rank if rank is not None else dist.get_rank() if distributed else 0
         self.world_size = world_size if world_size is not None else dist.get_world_size() if distributed else 1

@@ -444,6 +444,8 @@ def test_two_processes_sharing_a_cache_hold_its_limit_and_a_too_small_one_is_ref
         loader.set_epoch(epoch)
         for batch in loader:
             want.update(batch["image"].tobytes())
+        if epoch == 0:
+            first_epoch = want.copy()
     readers = [
         subprocess.Popen(
             [sys.executable, "-c", _READER, url, str(cache), str(limit)], stdout=subprocess.PIPE, text=True
@@ -457,6 +459,15 @@ def test_two_processes_sharing_a_cache_hold_its_limit_and_a_too_small_one_is_ref
     assert [r.communicate()[0].strip() for r in readers] == [want.hexdigest()] * 2
     assert [r.returncode for r in readers] == [0, 0]
     assert 0 < peak <= limit and _cached_bytes(cache) <= limit
+
+    torch = pytest.importorskip("torch")
+    from batchctl.torch import IterableBatches
+
+    # DataLoader workers (forked with the dataset opened) share the cache too
+    stream = IterableBatches(url, batch_size=5, mix=4, seed=3, cache_dir=cache, cache_limit=limit)
+    images = [b["image"] for b in torch.utils.data.DataLoader(stream, batch_size=None, num_workers=2)]
+    assert hashlib.sha256(b"".join(i.numpy().tobytes() for i in images)).hexdigest() == first_epoch.hexdigest()
+    assert _cached_bytes(cache) <= limit
 
     small = batchctl.open(url, cache_dir=cache, cache_limit=ds.stored_batch_bytes() * 3)
     with pytest.raises(batchctl.UsageError, match="cache_limit") as refused:
@@ -477,10 +488,11 @@ def test_a_deleted_cache_folder_and_a_corrupt_cached_file_are_fetched_again(
         batchctl.open(url, cache_dir=cache, cache_limit="1GB").loader(batch_size=5, mix=4, seed=3)
     ):
         got.append(batch)
-        if i == 2:
-            shutil.rmtree(cache)  # mid-epoch: what is read next is fetched, and cached again
+        if i == 2:  # mid-epoch (moved away first: the readers keep writing while it is deleted)
+            cache.rename(tmp_path / "deleted")
+            shutil.rmtree(tmp_path / "deleted", ignore_errors=True)
     _same_batches(got, plain)
-    assert _cached_bytes(cache) > 0
+    assert _cached_bytes(cache) > 0 and not list(cache.glob("data/*.partial"))  # fetched, and cached again
 
     _epoch(batchctl.open(url, cache_dir=cache, cache_limit="1GB"))  # everything cached
     files = sorted((cache / "data").iterdir())

@@ -68,11 +68,10 @@ class Dataset:
 
     def _remote_store(self, cache_dir: Any, cache_limit: int | str | None, retry_for: float) -> RemoteStore:
         """The objects of this version; cached only when complete (a partial one still grows)."""
-        fs, root = storage.locate(self.path, self.storage_options)
         cache = None
         if cache_dir is not None and self.attrs.complete:
             cache = ChunkCache(cache_dir, cache_limit, self.path, self.build_id)
-        return RemoteStore(fs, root, self.path, cache, retry_for)
+        return RemoteStore(self.path, self.storage_options, cache, retry_for)
 
     def _chunk_readers(self) -> dict[str, fmt.ChunkReader | RemoteChunkReader | None]:
         metas = {name: fmt.ArrayMeta.of_zarr(arr) for name, arr in self.arrays.items()}
@@ -89,11 +88,12 @@ class Dataset:
     def stored_batch_bytes(self) -> int:
         """About how many bytes one stored batch takes in the store, all fields: the mean over
         the first shard (from its indexes; a layout not batchctl's counts its raw size)."""
+        remote = [reader for reader in self._fast.values() if isinstance(reader, RemoteChunkReader)]
+        if self._store is not None and remote and self.num_batches:
+            self._store.load_indexes(0, remote)
         total = 0
         for name, reader in self._fast.items():
             if isinstance(reader, RemoteChunkReader) and self.num_batches:
-                if 0 not in reader.indexes:
-                    reader.store.read_chunks(0, [(reader, [np.empty(reader.chunk_bytes, np.uint8)])])
                 sizes = reader.indexes[0][:, 1]
                 present = sizes[reader.indexes[0][:, 0] != fmt.NO_CHUNK]
                 total += int(present.mean()) if len(present) else 0

@@ -53,6 +53,7 @@ class ChunkCache:
         self.folder = Path(folder).expanduser().resolve()
         self.url, self.version = url, version
         self._lock = threading.RLock()  # the loader's threads share the connection: one transaction at a time
+        self._pid = os.getpid()
         self._open_folder()
         if limit is None:
             limit = int(shutil.disk_usage(self.folder).free * DEFAULT_SHARE)
@@ -80,6 +81,9 @@ class ChunkCache:
     def _ledger(self) -> Iterator[sqlite3.Connection]:
         """A write transaction on the ledger (one process at a time), reopened first if the
         folder was deleted or replaced since."""
+        if self._pid != os.getpid():  # forked (a DataLoader worker): SQLite connections do not cross a fork
+            self._pid, self._lock = os.getpid(), threading.RLock()
+            self._open_folder()
         try:
             current = os.stat(self.folder / LEDGER).st_ino
         except FileNotFoundError:

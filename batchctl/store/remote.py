@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -18,6 +19,7 @@ import numpy as np
 
 from batchctl.errors import FormatError
 from batchctl.records import describe_error
+from batchctl.store import storage
 from batchctl.store.cache import ChunkCache
 from batchctl.store.chunkread import corrupt_data_named, decode_chunk, row_views, spread
 from batchctl.store.codec import NO_CHUNK, own_codecs, parse_shard_index
@@ -27,7 +29,16 @@ from batchctl.store.zarrmeta import ArrayMeta
 RETRY_FOR_S = 60.0  # a read failing for a passing reason is retried this long before the epoch ends
 ATTEMPT_TIMEOUT_S = 30.0  # one attempt (one batch's ranged reads together) gives up after this long
 _FIRST_BACKOFF_S, _MAX_BACKOFF_S = 0.1, 5.0
-_NOT_PASSING = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+# what a retry cannot mend: a missing object, a refusal, a client's own failure (any other error,
+# a reset connection, a 5xx, throttling, a timeout, is taken to pass: each store's client has its own kinds)
+_LASTING: tuple[type[Exception], ...] = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+_LASTING += (RuntimeError, TypeError, ValueError)
+
+
+def _passing(error: BaseException) -> bool:
+    """Whether a read that failed with `error` may succeed if tried again."""
+    cause = error.__context__ if isinstance(error, StoreError) and error.__context__ is not None else error
+    return not isinstance(cause, _LASTING)
 
 
 @dataclass(frozen=True)
@@ -43,8 +54,11 @@ class Range:
 class RemoteStore:
     """The objects of one dataset version at a URL, read range by range."""
 
-    def __init__(self, fs: Any, root: str, url: str, cache: ChunkCache | None, retry_for: float = RETRY_FOR_S) -> None:
-        self.fs, self.root, self.url, self.cache, self.retry_for = fs, root.rstrip("/"), url, cache, retry_for
+    def __init__(
+        self, url: str, storage_options: Mapping[str, Any], cache: ChunkCache | None, retry_for: float = RETRY_FOR_S
+    ) -> None:
+        self.url, self.storage_options, self.cache, self.retry_for = url, storage_options, cache, retry_for
+        self.root = storage.fs_path(url).rstrip("/")
         self._failing_since: float | None = None  # when the store stopped answering (monotonic)
         self._lock = threading.Lock()
 
@@ -81,7 +95,7 @@ class RemoteStore:
                 self._failing_since = None
                 return [r for r in results if r is not None]
             i, error = failures[0]
-            if isinstance(error, _NOT_PASSING):
+            if not _passing(error):
                 raise self._failed(ranges[i], error)
             with self._lock:
                 self._failing_since = self._failing_since or started
@@ -97,10 +111,11 @@ class RemoteStore:
     def _attempt(self, ranges: list[Range]) -> list[bytes | BaseException]:
         """One try at every range together; a failure of the whole call is every range's."""
         # an async filesystem's call is cancelled after the timeout; a sync one has its own
-        timeout = {"timeout": max(1.0, min(ATTEMPT_TIMEOUT_S, self.retry_for))} if self.fs.async_impl else {}
+        fs = storage.filesystem(self.url, self.storage_options)  # this process's (a DataLoader worker's)
+        timeout = {"timeout": max(1.0, min(ATTEMPT_TIMEOUT_S, self.retry_for))} if fs.async_impl else {}
         try:
             paths, starts, ends = [r.path for r in ranges], [r.start for r in ranges], [r.end for r in ranges]
-            got = self.fs.cat_ranges(paths, starts, ends, on_error="return", **timeout)
+            got = fs.cat_ranges(paths, starts, ends, on_error="return", **timeout)
         except Exception as exc:  # noqa: BLE001 - each store's client raises its own kinds
             return [exc] * len(ranges)
         return [g if isinstance(g, BaseException) else bytes(g) for g in got]
@@ -114,13 +129,16 @@ class RemoteStore:
         """Chunk `chunk` of several arrays into their row buffers: the shard indexes not yet
         known fetched together first, then every chunk together. A cached index or chunk that
         fails its checksum is dropped from the cache and fetched again."""
-        shard = chunk // jobs[0][0].per_shard
-        unknown = [reader for reader, _ in jobs if shard not in reader.indexes]
-        for reader, got in zip(unknown, self.fetch([r.index_range(shard) for r in unknown]), strict=True):
-            self._checked(reader.index_range(shard), got, lambda data, r=reader: r.keep_index(shard, data))
+        self.load_indexes(chunk // jobs[0][0].per_shard, [reader for reader, _ in jobs])
         ranges = [reader.chunk_range(chunk) for reader, _ in jobs]
         for (reader, rows), where, got in zip(jobs, ranges, self.fetch(ranges), strict=True):
             self._checked(where, got, lambda data, r=reader, rows=rows: r.decode(chunk, data, rows))
+
+    def load_indexes(self, shard: int, readers: list[RemoteChunkReader]) -> None:
+        """Shard `shard`'s index of each array not yet known, fetched together."""
+        unknown = [reader for reader in readers if shard not in reader.indexes]
+        for reader, got in zip(unknown, self.fetch([r.index_range(shard) for r in unknown]), strict=True):
+            self._checked(reader.index_range(shard), got, lambda data, r=reader: r.keep_index(shard, data))
 
     def _checked(self, where: Range, got: tuple[bytes, bool], use: Any) -> None:
         data, from_cache = got

@@ -56,7 +56,8 @@ def filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> An
     """The fsspec filesystem of `url` (one instance per URL scheme and options). Each of its
     calls gives up after `io_timeout` seconds (a storage option of batchctl's own, default
     IO_TIMEOUT_S) with a `StoreError` naming the store, the call and the path."""
-    return _filesystem(url.split("://", 1)[0], json.dumps(dict(storage_options or {}), sort_keys=True))
+    options = json.dumps(dict(storage_options or {}), sort_keys=True)
+    return _filesystem(url.split("://", 1)[0], options, os.getpid())  # a forked child's own: they are not fork-safe
 
 
 def fsspec_options(protocol: str, storage_options: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -103,7 +104,7 @@ class TimedFilesystem:
 
 
 @functools.cache
-def _filesystem(protocol: str, options: str) -> Any:
+def _filesystem(protocol: str, options: str, pid: int) -> Any:
     import fsspec
 
     given = json.loads(options)
