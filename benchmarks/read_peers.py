@@ -5,6 +5,7 @@ output of the same arrays, or torchvision's ImageFolder + Resize/CenterCrop over
     python read_peers.py batchctl DATASET WORKERS BATCH
     python read_peers.py litdata-optimize DATASET OUT WORKERS
     python read_peers.py litdata OUT WORKERS BATCH
+    python read_peers.py litdata-remote URL CACHE BATCH
     python read_peers.py torchvision PHOTOS WORKERS BATCH
 
 Prints `RATE images/s` for the second of two epochs (the first warms the page cache and starts
@@ -69,6 +70,18 @@ def run_litdata(out: str, workers: int, batch: int) -> float:
     return timed_epochs(StreamingDataLoader(dataset, batch_size=batch, num_workers=workers))
 
 
+def run_litdata_remote(url: str, cache: str, batch: int) -> float:
+    """One epoch of LitData's StreamingDataset from a bucket into an empty cache (all fetched),
+    in the main process (as batchctl's remote figure), the endpoint from AWS_ENDPOINT_URL."""
+    import litdata.streaming.downloader as downloader
+    from litdata import StreamingDataLoader, StreamingDataset
+
+    # LitData's obstore client refuses a plain-http endpoint (the loopback server; a bucket is https)
+    downloader._OBSTORE_CLIENT_OPTIONS = {**downloader._OBSTORE_CLIENT_OPTIONS, "allow_http": "true"}
+    dataset = StreamingDataset(url, cache_dir=cache, shuffle=True, drop_last=True)
+    return timed_epochs(StreamingDataLoader(dataset, batch_size=batch, num_workers=0), epochs=1)
+
+
 def run_torchvision(photos: str, workers: int, batch: int) -> float:
     """ImageFolder + Resize(256) + CenterCrop(224) in a shuffled DataLoader. Where torchvision
     does not import (PyPI's wheel is the CUDA build, which a CPU torch cannot load), the same
@@ -118,6 +131,9 @@ if __name__ == "__main__":
     mode, *args = sys.argv[1:]
     if mode == "litdata-optimize":
         litdata_optimize(args[0], args[1], int(args[2]))
+        sys.exit(0)
+    if mode == "litdata-remote":
+        print("RATE", run_litdata_remote(args[0], args[1], int(args[2])), flush=True)
         sys.exit(0)
     run = {"batchctl": run_batchctl, "litdata": run_litdata, "torchvision": run_torchvision}[mode]
     print("RATE", run(args[0], int(args[1]), int(args[2])), flush=True)

@@ -557,7 +557,7 @@ def main() -> None:
     parser.add_argument("--audio-seconds", type=int, default=3600)
     parser.add_argument(
         "--only",
-        choices=["images", "tiny", "startup", "incremental", "big_npy", "big_audio", "read"],
+        choices=["images", "tiny", "startup", "incremental", "big_npy", "big_audio", "read", "remote"],
         action="append",
     )
     args = parser.parse_args()
@@ -568,7 +568,7 @@ def main() -> None:
     }
     with tempfile.TemporaryDirectory(prefix="batchctl-bench-") as tmp:
         root = Path(tmp)
-        todo = args.only or ["images", "tiny", "startup", "incremental", "big_npy", "big_audio", "read"]
+        todo = args.only or ["images", "tiny", "startup", "incremental", "big_npy", "big_audio", "read", "remote"]
         if "images" in todo:
             bench_images(root, args.images, results)
         if "tiny" in todo:
@@ -585,6 +585,10 @@ def main() -> None:
             from read import bench_read
 
             bench_read(root, results, lambda src, out, *extra: batchctl_cmd(src, out, CORES, *extra))
+        if "remote" in todo:
+            from remote import bench_remote
+
+            bench_remote(root, results, lambda src, out, *extra: batchctl_cmd(src, out, CORES, *extra))
         shutil.rmtree(root, ignore_errors=True)
     print(json.dumps(results, indent=2))
     out_dir = HERE / "results"

@@ -24,10 +24,12 @@ import pytest
 
 import batchctl
 from batchctl.read.inspect import verify
+from batchctl.store.remote import SMALL_SHARD_BYTES
 from batchctl.synthetic import make_image_folder
 from tests.test_build import image_files
 
 from .conftest import PLUGINS, free_port, kill_group, run_cli, start_cli, wait_for, wait_group_gone
+from .s3server import Relay, data_gets, range_bytes, requests_made, start_moto
 from .test_incremental import LAYOUT, assert_same_rows, change_files, new_image, rows_by_key
 
 s3fs = pytest.importorskip("s3fs")
@@ -40,28 +42,11 @@ SLOW = ["--preprocess", f"{PLUGINS}:slow_image", "--batch-size", "4", "--shard-b
 def s3_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A moto S3 server in its own process on a free loopback port; credentials in the environment."""
     port = free_port()
-    log = tmp_path_factory.mktemp("moto") / "server.log"
-    with open(log, "w") as out:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-            stdout=out,
-            stderr=out,
-            env={**os.environ, "MOTO_RECORDER_FILEPATH": str(log.parent / "recording")},  # see `requests_made`
-        )
-    endpoint = f"http://127.0.0.1:{port}"
+    server = start_moto(port, tmp_path_factory.mktemp("moto"))
     saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
     os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or server.poll() is not None:
-                    raise RuntimeError(f"moto server did not start: {log.read_text()}") from None
-                time.sleep(0.1)
-        yield endpoint
+        yield f"http://127.0.0.1:{port}"
     finally:
         server.terminate()
         server.wait(timeout=10)
@@ -314,54 +299,36 @@ def test_a_store_that_goes_away_or_freezes_mid_build_ends_it_in_one_line(
     assert wait_group_gone(proc.pid) == []
 
 
-@contextlib.contextmanager
-def requests_made(endpoint: str) -> Iterator[list[dict[str, Any]]]:
-    """The requests the S3 server received inside the block, as it recorded them."""
-    import urllib.request
-
-    def call(action: str) -> bytes:
-        method = "GET" if action == "download-recording" else "POST"
-        request = urllib.request.Request(f"{endpoint}/moto-api/recorder/{action}", method=method, data=None)
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return bytes(response.read())
-
-    made: list[dict[str, Any]] = []
-    call("reset-recording")
-    call("start-recording")
-    try:
-        yield made
-    finally:
-        call("stop-recording")
-        made += [json.loads(line) for line in call("download-recording").decode().splitlines() if line.strip()]
-
-
 def test_each_batch_is_one_ranged_read_of_its_bytes(image_folder: Path, bucket: str, s3_endpoint: str) -> None:
     """Counted at the server: reading every batch of a URL dataset fetches each shard's index once
-    and each batch's chunk bytes once (one ranged GET per field and batch), never a whole shard."""
+    and each batch's chunk bytes once (one ranged GET per field and batch), never a whole object;
+    a shard whose chunks are small (labels, sources) has them fetched in one ranged GET, kept."""
     url = f"s3://{bucket}/ranged.zarr"
-    args = ("--batch-size", "8", "--shard-batches", "3", "--resize", "24", "--crop", "16")
+    args = ("--batch-size", "8", "--shard-batches", "3", "--resize", "64", "--crop", "64", "--compression", "none")
     assert run_cli("build", image_folder, "-o", url, *args).returncode == 0
     ds = batchctl.open(url)
-    fields, batches = len(ds.arrays), len(ds)
-    shards = -(-batches // 3)
+    batches = len(ds)
+    fs = _fs(s3_endpoint)
+    objects = {p: fs.size(p) for p in fs.find(f"{bucket}/ranged.zarr") if "/c/" in p}
+    expected = 0
+    for path, size in objects.items():
+        shard_batches = 3 if int(path.rsplit("/c/", 1)[1].split("/")[0]) < batches // 3 else batches % 3 or 3
+        data = size - 3 * 16 - 4  # the index: an offset and a size per batch, and a checksum
+        expected += 1 + (1 if data <= SMALL_SHARD_BYTES else shard_batches)  # the index, then the chunks
+    assert any(size > SMALL_SHARD_BYTES + 100 for size in objects.values())  # both kinds are read here
     with requests_made(s3_endpoint) as made:
         for i in range(batches):
             ds[i]
-    shard_gets = [r for r in made if r["method"] == "GET" and "/c/" in r["url"]]
-    ranged = [r for r in shard_gets if "Range" in r["headers"] or "range" in r["headers"]]
-    assert len(ranged) == len(shard_gets)  # no whole-shard download
-    assert len(shard_gets) == fields * (batches + shards)  # each chunk once, each index once
-    fs = _fs(s3_endpoint)
-    stored = sum(fs.size(p) for p in fs.find(f"{bucket}/ranged.zarr") if "/c/" in p)
-    fetched = 0
-    for r in ranged:
-        spec = (r["headers"].get("Range") or r["headers"]["range"]).removeprefix("bytes=")
-        first, _, last = spec.partition("-")
-        fetched += int(last) - int(first) + 1 if first else int(last)
-    assert fetched <= 1.02 * stored, (fetched, stored)  # indexes included
+    shard_gets = data_gets(made)
+    sizes = [range_bytes(r) for r in shard_gets]
+    assert None not in sizes  # no whole-object download
+    assert len(shard_gets) == expected
+    fetched = sum(size for size in sizes if size is not None)
+    assert fetched <= 1.02 * sum(objects.values()), (fetched, objects)  # indexes included
 
 
-SMALL = ("--batch-size", "4", "--shard-batches", "3", "--resize", "24", "--crop", "16")
+# shards of images too big to be fetched whole (SMALL_SHARD_BYTES): one ranged read per batch
+READ_LAYOUT = ("--batch-size", "8", "--shard-batches", "3", "--resize", "64", "--crop", "64", "--compression", "none")
 
 
 def _epoch(ds: batchctl.Dataset, **options: Any) -> list[dict[str, np.ndarray]]:
@@ -376,10 +343,6 @@ def _same_batches(got: list[dict[str, np.ndarray]], want: list[dict[str, np.ndar
             np.testing.assert_array_equal(a[name], b[name])
 
 
-def _data_gets(made: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [r for r in made if r["method"] == "GET" and "/c/" in r["url"]]
-
-
 def _cached_bytes(cache: Path) -> int:
     """What the cache holds on disk: its files, written and being written (the ledger aside)."""
     return sum(f.stat().st_size for f in (cache / "data").iterdir()) if (cache / "data").exists() else 0
@@ -390,20 +353,20 @@ def test_a_cached_epoch_sends_no_data_gets_and_a_rebuild_is_never_served_stale(
 ) -> None:
     folder, url, cache = tmp_path / "data", f"s3://{bucket}/cached.zarr", tmp_path / "cache"
     make_image_folder(folder, 40, sides=(40, 80))
-    assert run_cli("build", folder, "-o", url, *SMALL).returncode == 0
+    assert run_cli("build", folder, "-o", url, *READ_LAYOUT).returncode == 0
     plain = _epoch(batchctl.open(url))
     with requests_made(s3_endpoint) as first:
         _same_batches(_epoch(batchctl.open(url, cache_dir=cache, cache_limit="1GB")), plain)
     with requests_made(s3_endpoint) as second:  # a new process's view: nothing kept in memory
         again = batchctl.open(url, cache_dir=cache, cache_limit="1GB")
         _same_batches(_epoch(again), plain)
-    assert _data_gets(first) and _data_gets(second) == []
+    assert data_gets(first) and data_gets(second) == []
     assert 0 < _cached_bytes(cache) == again.cache.held_bytes()  # type: ignore[union-attr]
 
     victim = sorted((folder / "cat").glob("*.jpg"))[0]
     source = f"cat/{victim.name}"
     new_image(tmp_path, victim, 99)  # a changed file: a new version at the URL
-    assert run_cli("build", folder, "-o", url, *SMALL).returncode == 0
+    assert run_cli("build", folder, "-o", url, *READ_LAYOUT).returncode == 0
     rebuilt = batchctl.open(url, cache_dir=cache, cache_limit="1GB")
     assert rebuilt.build_id != again.build_id
     assert _cached_bytes(cache) == 0  # the old version's files are dropped as the new one is opened
@@ -435,7 +398,7 @@ def test_two_processes_sharing_a_cache_hold_its_limit_and_a_too_small_one_is_ref
 ) -> None:
     folder, url, cache = tmp_path / "data", f"s3://{bucket}/shared.zarr", tmp_path / "cache"
     make_image_folder(folder, 60, sides=(40, 80))
-    assert run_cli("build", folder, "-o", url, *SMALL).returncode == 0
+    assert run_cli("build", folder, "-o", url, *READ_LAYOUT).returncode == 0
     ds = batchctl.open(url)
     limit = 6 * ds.stored_batch_bytes()  # about a third of the dataset: evictions all the time
     want = hashlib.sha256()
@@ -480,15 +443,15 @@ def test_a_deleted_cache_folder_and_a_corrupt_cached_file_are_fetched_again(
 ) -> None:
     url, cache = f"s3://{bucket}/damage.zarr", tmp_path / "cache"
     folder = tmp_path / "data"
-    make_image_folder(folder, 40, sides=(40, 80))
-    assert run_cli("build", folder, "-o", url, *SMALL).returncode == 0
+    make_image_folder(folder, 96, sides=(40, 80))  # 12 stored batches: 3 groups of mix=4
+    assert run_cli("build", folder, "-o", url, *READ_LAYOUT).returncode == 0
     plain = _epoch(batchctl.open(url))
     got = []
     for i, batch in enumerate(
         batchctl.open(url, cache_dir=cache, cache_limit="1GB").loader(batch_size=5, mix=4, seed=3)
     ):
         got.append(batch)
-        if i == 2:  # mid-epoch (moved away first: the readers keep writing while it is deleted)
+        if i == 1:  # mid-epoch (moved away first: the readers keep writing while it is deleted)
             cache.rename(tmp_path / "deleted")
             shutil.rmtree(tmp_path / "deleted", ignore_errors=True)
     _same_batches(got, plain)
@@ -502,10 +465,10 @@ def test_a_deleted_cache_folder_and_a_corrupt_cached_file_are_fetched_again(
         file.write_bytes(bytes(data))
     with requests_made(s3_endpoint) as made:
         _same_batches(_epoch(batchctl.open(url, cache_dir=cache, cache_limit="1GB")), plain)
-    assert len(_data_gets(made)) == len(files)  # each damaged file fetched once more
+    assert len(data_gets(made)) == len(files)  # each damaged file fetched once more
     with requests_made(s3_endpoint) as made:
         _same_batches(_epoch(batchctl.open(url, cache_dir=cache, cache_limit="1GB")), plain)
-    assert _data_gets(made) == []  # and kept, sound, in place of the damaged one
+    assert data_gets(made) == []  # and kept, sound, in place of the damaged one
 
 
 def test_reads_ride_out_a_store_restart_and_end_in_one_error_when_it_stays_down(
@@ -513,12 +476,10 @@ def test_reads_ride_out_a_store_restart_and_end_in_one_error_when_it_stays_down(
 ) -> None:
     """The moto server behind a relay on loopback: stopping the relay is, to the reader, the
     store going down (refused and reset connections) while its objects stay."""
-    from .netproxy import Relay
-
     url = f"s3://{bucket}/flaky.zarr"
     folder = tmp_path / "data"
     make_image_folder(folder, 40, sides=(40, 80))
-    assert run_cli("build", folder, "-o", url, *SMALL).returncode == 0
+    assert run_cli("build", folder, "-o", url, *READ_LAYOUT).returncode == 0
     plain = _epoch(batchctl.open(url))
     relay = Relay(int(s3_endpoint.rsplit(":", 1)[1])).start()
     try:
@@ -549,7 +510,7 @@ def test_exact_resume_from_a_url(tmp_path: Path, bucket: str, s3_endpoint: str) 
     url, cache = f"s3://{bucket}/resume.zarr", tmp_path / "cache"
     folder = tmp_path / "data"
     make_image_folder(folder, 40, sides=(40, 80))
-    assert run_cli("build", folder, "-o", url, *SMALL).returncode == 0
+    assert run_cli("build", folder, "-o", url, *READ_LAYOUT).returncode == 0
     whole = _epoch(batchctl.open(url))
     loader = batchctl.open(url, cache_dir=cache, cache_limit="1GB").loader(batch_size=5, mix=4, seed=3)
     first = [batch for _, batch in zip(range(3), loader, strict=False)]

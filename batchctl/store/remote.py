@@ -11,7 +11,9 @@ from __future__ import annotations
 import errno
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -29,6 +31,10 @@ from batchctl.store.zarrmeta import ArrayMeta
 RETRY_FOR_S = 60.0  # a read failing for a passing reason is retried this long before the epoch ends
 ATTEMPT_TIMEOUT_S = 30.0  # one attempt (one batch's ranged reads together) gives up after this long
 _FIRST_BACKOFF_S, _MAX_BACKOFF_S = 0.1, 5.0
+# A shard whose chunks take at most this many bytes (labels, sources) is fetched whole with its
+# first batch and kept: one request for its batches, where a request costs its latency, not its bytes
+SMALL_SHARD_BYTES = 256 * 1024
+_SMALL_SHARDS_KEPT = 64  # per array: at most 16 MiB
 # what a retry cannot mend: a missing object, a refusal, a client's own failure (any other error,
 # a reset connection, a 5xx, throttling, a timeout, is taken to pass: each store's client has its own kinds)
 _LASTING: tuple[type[Exception], ...] = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
@@ -60,19 +66,43 @@ class RemoteStore:
         self.url, self.storage_options, self.cache, self.retry_for = url, storage_options, cache, retry_for
         self.root = storage.fs_path(url).rstrip("/")
         self._failing_since: float | None = None  # when the store stopped answering (monotonic)
+        self._in_flight: dict[str, Future[bytes]] = {}  # a range one thread fetches, the others wait for
         self._lock = threading.Lock()
 
     def fetch(self, ranges: list[Range], cached: bool = True) -> list[tuple[bytes, bool]]:
         """Each range's bytes, and whether they came from the cache. The others are fetched
-        together (one concurrent call), kept in the cache, and retried while they fail for a
-        passing reason, up to `retry_for` seconds."""
+        together (one concurrent call; a range another thread is fetching is waited for, not
+        fetched twice), kept in the cache, and retried while they fail for a passing reason, up
+        to `retry_for` seconds."""
         found = [self.cache.get(r.key) if self.cache is not None and cached else None for r in ranges]
         missing = [i for i, data in enumerate(found) if data is None]
-        fetched = self._fetch_retrying([ranges[i] for i in missing]) if missing else []
-        for i, data in zip(missing, fetched, strict=True):
-            found[i] = data
-            if self.cache is not None:
-                self.cache.put(ranges[i].key, data)
+        mine, theirs = [], []  # what this call fetches; what another thread is fetching already
+        with self._lock:
+            for i in missing:
+                pending = self._in_flight.get(ranges[i].key)
+                if pending is None:
+                    pending = self._in_flight[ranges[i].key] = Future()
+                    mine.append((i, pending))
+                else:
+                    theirs.append((i, pending))
+        try:
+            fetched = self._fetch_retrying([ranges[i] for i, _ in mine]) if mine else []
+            for (i, pending), data in zip(mine, fetched, strict=True):
+                found[i] = data
+                if self.cache is not None:
+                    self.cache.put(ranges[i].key, data)
+                pending.set_result(data)
+        except BaseException as exc:
+            for _, pending in mine:
+                if not pending.done():
+                    pending.set_exception(exc)
+            raise
+        finally:
+            with self._lock:
+                for i, _ in mine:
+                    del self._in_flight[ranges[i].key]
+        for i, pending in theirs:
+            found[i] = pending.result()
         missed = set(missing)
         return [(cast(bytes, data), i not in missed) for i, data in enumerate(found)]
 
@@ -131,7 +161,11 @@ class RemoteStore:
         fails its checksum is dropped from the cache and fetched again."""
         self.load_indexes(chunk // jobs[0][0].per_shard, [reader for reader, _ in jobs])
         ranges = [reader.chunk_range(chunk) for reader, _ in jobs]
-        for (reader, rows), where, got in zip(jobs, ranges, self.fetch(ranges), strict=True):
+        held = [reader.held_span(chunk) for reader, _ in jobs]
+        fetched = iter(self.fetch([where for where, span in zip(ranges, held, strict=True) if span is None]))
+        for (reader, rows), where, span in zip(jobs, ranges, held, strict=True):
+            # a kept span may have come from the cache: checked, and fetched again, the same way
+            got = next(fetched) if span is None else (span, True)
             self._checked(where, got, lambda data, r=reader, rows=rows: r.decode(chunk, data, rows))
 
     def load_indexes(self, shard: int, readers: list[RemoteChunkReader]) -> None:
@@ -164,6 +198,9 @@ class RemoteChunkReader:
         self.chunk_bytes = self.dtype.itemsize * int(np.prod(self.chunk_shape))
         self.inner = [codec["name"] for codec in inner]
         self.indexes: dict[int, np.ndarray] = {}  # shard -> its index, kept once fetched
+        self.small: dict[int, tuple[int, int]] = {}  # shard -> the span of its chunks, where small
+        self._spans: OrderedDict[int, bytes] = OrderedDict()  # small shards' chunks, the last used kept
+        self._lock = threading.Lock()
 
     @classmethod
     def for_array(cls, store: RemoteStore, arr: ArrayMeta) -> RemoteChunkReader | None:
@@ -177,25 +214,55 @@ class RemoteChunkReader:
         return Range(self._path(shard), -(self.per_shard * 16 + 4), None, f"{self.arr.name}/index/{shard}")
 
     def keep_index(self, shard: int, raw: bytes) -> None:
-        self.indexes[shard] = parse_shard_index(raw, self.per_shard, f"{self.arr.name} shard {shard}")
+        index = parse_shard_index(raw, self.per_shard, f"{self.arr.name} shard {shard}")
+        present = index[index[:, 0] != NO_CHUNK]
+        if len(present):
+            start, end = int(present[:, 0].min()), int((present[:, 0] + present[:, 1]).max())
+            if end - start <= SMALL_SHARD_BYTES:
+                self.small[shard] = (start, end)
+        self.indexes[shard] = index
 
-    def chunk_range(self, chunk: int) -> Range:
-        """Where chunk `chunk`'s bytes lie (its shard's index known)."""
+    def _chunk_at(self, chunk: int) -> tuple[int, int, int]:
+        """Chunk `chunk`'s shard, offset and size in it (its shard's index known)."""
         shard, position = divmod(chunk, self.per_shard)
         offset, nbytes = (int(v) for v in self.indexes[shard][position])
         if offset == NO_CHUNK:
             raise FormatError(f"{self.arr.name} shard {shard}: batch {chunk} is missing from the shard")
+        return shard, offset, nbytes
+
+    def chunk_range(self, chunk: int) -> Range:
+        """What to fetch for chunk `chunk`: its bytes, or, in a small shard, every chunk's (kept)."""
+        shard, offset, nbytes = self._chunk_at(chunk)
+        if shard in self.small:
+            start, end = self.small[shard]
+            return Range(self._path(shard), start, end, f"{self.arr.name}/chunks/{shard}")
         return Range(self._path(shard), offset, offset + nbytes, f"{self.arr.name}/{chunk}")
 
+    def held_span(self, chunk: int) -> bytes | None:
+        """The kept chunks of chunk `chunk`'s small shard, if fetched already."""
+        with self._lock:
+            held = self._spans.get(chunk // self.per_shard)
+            if held is not None:
+                self._spans.move_to_end(chunk // self.per_shard)
+        return held
+
     def decode(self, chunk: int, data: bytes, rows: list[np.ndarray]) -> None:
-        """A chunk's stored bytes into `rows` (C-contiguous buffers laid end to end)."""
+        """Chunk `chunk` into `rows` (C-contiguous buffers laid end to end) from what
+        `chunk_range` fetched; a small shard's chunks are kept for its other batches."""
         views = row_views(rows, self.chunk_bytes)
         whole = views[0] if len(views) == 1 else np.empty(self.chunk_bytes, np.uint8)
         where = self.chunk_range(chunk)
+        shard, offset, nbytes = self._chunk_at(chunk)
         with corrupt_data_named(self.arr.name, chunk):
             if len(data) != cast(int, where.end) - where.start:
                 raise FormatError(f"{self.arr.name} batch {chunk}: the shard object is truncated")
-            decode_chunk(self.inner, memoryview(data), whole, f"{self.arr.name} batch {chunk}")
+            piece = memoryview(data)[offset - where.start : offset - where.start + nbytes]
+            decode_chunk(self.inner, piece, whole, f"{self.arr.name} batch {chunk}")
+        if shard in self.small:
+            with self._lock:
+                self._spans[shard] = data
+                while len(self._spans) > _SMALL_SHARDS_KEPT:
+                    self._spans.popitem(last=False)
         if len(views) > 1:
             spread(whole, views)
 
