@@ -151,3 +151,19 @@ class Relay:
                 self._open.discard(source)
                 self._open.discard(sink)
             source.close()
+
+
+def start_relay(target_port: int, latency: float) -> tuple[subprocess.Popen[str], str]:
+    """A `Relay` in a process of its own (its copying does not take turns with the reader's
+    threads for one interpreter lock); returns it and its endpoint."""
+    relay = subprocess.Popen(
+        [sys.executable, __file__, str(target_port), str(latency)], stdout=subprocess.PIPE, text=True
+    )
+    assert relay.stdout is not None
+    return relay, relay.stdout.readline().strip()
+
+
+if __name__ == "__main__":
+    running = Relay(int(sys.argv[1]), float(sys.argv[2])).start()
+    print(running.endpoint, flush=True)
+    threading.Event().wait()

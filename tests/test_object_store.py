@@ -518,3 +518,22 @@ def test_exact_resume_from_a_url(tmp_path: Path, bucket: str, s3_endpoint: str) 
     resumed = batchctl.open(url).loader(batch_size=5, mix=4, seed=3)
     resumed.load_state_dict(state)
     _same_batches(first + list(resumed), whole)
+
+
+def test_a_corrupt_object_is_one_error_naming_its_shard_and_batch(tmp_path: Path, bucket: str, s3_endpoint: str) -> None:
+    url = f"s3://{bucket}/corrupt.zarr"
+    folder = tmp_path / "data"
+    make_image_folder(folder, 40, sides=(40, 80))
+    assert run_cli("build", folder, "-o", url, *READ_LAYOUT).returncode == 0
+    ds = batchctl.open(url)
+    reader = ds._fast["image"]
+    ds[4]  # loads shard 1's index
+    where = reader.chunk_range(4)  # type: ignore[union-attr]
+    fs = _fs(s3_endpoint)
+    data = bytearray(fs.cat_file(where.path))
+    data[(where.start + where.end) // 2] ^= 0xFF  # type: ignore[operator]
+    fs.pipe_file(where.path, bytes(data))
+    with pytest.raises(batchctl.FormatError) as damaged:
+        _epoch(batchctl.open(url))
+    message = str(damaged.value)
+    assert "\n" not in message and "image shard 1, batch 4" in message, message

@@ -1,10 +1,12 @@
 """Reading a dataset at a URL (any fsspec filesystem): a stored batch of a field is one ranged
 read of exactly its bytes, found through its shard's index, itself one suffix-range read fetched
-once and kept. A batch's fields (and the indexes it needs) are fetched together, concurrently on
-an async filesystem (s3, gcs, azure), and the loader keeps many batches in flight, so a reader
-waits on bandwidth rather than on one request's latency. What is fetched may be kept in a bounded
-local cache (`ChunkCache`); a read that fails for a passing reason (a reset connection, a 5xx,
-throttling, a store restarting) is retried with backoff for a bounded time."""
+once and kept (a shard whose chunks are small, labels or sources, is fetched whole with its
+first batch and kept: one request, not one per batch). A batch's fields (and the indexes it
+needs) are fetched together, concurrently on an async filesystem (s3, gcs, azure), and the loader
+keeps many batches in flight, so a reader waits on bandwidth rather than on one request's
+latency. What is fetched may be kept in a bounded local cache (`ChunkCache`); a read that fails
+for a passing reason (a reset connection, a 5xx, throttling, a store restarting) is retried with
+backoff for a bounded time."""
 
 from __future__ import annotations
 
@@ -37,8 +39,15 @@ SMALL_SHARD_BYTES = 256 * 1024
 _SMALL_SHARDS_KEPT = 64  # per array: at most 16 MiB
 # what a retry cannot mend: a missing object, a refusal, a client's own failure (any other error,
 # a reset connection, a 5xx, throttling, a timeout, is taken to pass: each store's client has its own kinds)
-_LASTING: tuple[type[Exception], ...] = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
-_LASTING += (RuntimeError, TypeError, ValueError)
+_LASTING = (
+    FileNotFoundError,
+    PermissionError,
+    IsADirectoryError,
+    NotADirectoryError,
+    RuntimeError,
+    TypeError,
+    ValueError,
+)
 
 
 def _passing(error: BaseException) -> bool:
@@ -257,7 +266,7 @@ class RemoteChunkReader:
             if len(data) != cast(int, where.end) - where.start:
                 raise FormatError(f"{self.arr.name} batch {chunk}: the shard object is truncated")
             piece = memoryview(data)[offset - where.start : offset - where.start + nbytes]
-            decode_chunk(self.inner, piece, whole, f"{self.arr.name} batch {chunk}")
+            decode_chunk(self.inner, piece, whole, f"{self.arr.name} shard {shard}, batch {chunk}")
         if shard in self.small:
             with self._lock:
                 self._spans[shard] = data
