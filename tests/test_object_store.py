@@ -520,7 +520,9 @@ def test_exact_resume_from_a_url(tmp_path: Path, bucket: str, s3_endpoint: str) 
     _same_batches(first + list(resumed), whole)
 
 
-def test_a_corrupt_object_is_one_error_naming_its_shard_and_batch(tmp_path: Path, bucket: str, s3_endpoint: str) -> None:
+def test_a_corrupt_object_is_one_error_naming_its_shard_and_batch(
+    tmp_path: Path, bucket: str, s3_endpoint: str
+) -> None:
     url = f"s3://{bucket}/corrupt.zarr"
     folder = tmp_path / "data"
     make_image_folder(folder, 40, sides=(40, 80))
