@@ -54,7 +54,7 @@ from batchctl.run.processes import (
 )
 from batchctl.run.staging import BuildPaths
 from batchctl.run.writeplan import Carry, CollatorConfig, ResumePoint
-from batchctl.store import metadata as meta, storage
+from batchctl.store import metadata as meta, storage, zarrmeta
 from batchctl.store.journal import Untrusted
 from batchctl.store.storage import SourceRoot
 from batchctl.store.zarrmeta import DatasetFiles
@@ -547,10 +547,10 @@ class _Builder:
         files = self.paths.staging_files
         if self.paths.remote:
             # no longer complete, nor the build its record names: its shards move now
-            fmt.write_dataset_attrs(files, self._attrs(discovery))
+            meta.write_dataset_attrs(files, self._attrs(discovery))
             fs, root = storage.locate(self.output, self.options.storage_options)
             arrays = files.arrays()
-            _copy_metadata(files, fmt.DatasetFiles(carry_from, self.options.storage_options), arrays)
+            _copy_metadata(files, zarrmeta.DatasetFiles(carry_from, self.options.storage_options), arrays)
             for shard in sorted({r.shard for r in plan.carry}):
                 _copy_shard(fs, arrays, f"{root}/", shard, f"{storage.fs_path(carry_from)}/", shard)
             for new, old in enumerate(plan.kept_shards):
@@ -558,7 +558,7 @@ class _Builder:
                     _copy_shard(fs, arrays, f"{root}/", old, f"{root}/", new)
             fmt.remove_shards_from(files, arrays, len(plan.kept_shards))
         else:
-            published = fmt.DatasetFiles(self.output)
+            published = zarrmeta.DatasetFiles(self.output)
             arrays = published.arrays()
             _copy_metadata(published, files, arrays)
             for new, old in enumerate(plan.kept_shards):
@@ -569,7 +569,7 @@ class _Builder:
                     else:  # the open tail grows: a copy of its own, never a link to the published file
                         target.parent.mkdir(parents=True, exist_ok=True)
                         shutil.copyfile(source, target)
-            fmt.write_dataset_attrs(files, self._attrs(discovery))
+            meta.write_dataset_attrs(files, self._attrs(discovery))
         lines: list[dict[str, Any]] = []
         tail = len(plan.done_shards)
         chunks = self._tail_chunks(arrays, tail, record.shard_batches) if plan.open_tail else {}
@@ -604,10 +604,10 @@ class _Builder:
 
     def _tail_chunks(self, arrays: Mapping[str, ArrayMeta], shard: int, shard_batches: int) -> dict[str, list[Any]]:
         """(offset, nbytes) of each chunk of a copied shard file of each array, from its index."""
-        from batchctl.store import format as fmt
+        from batchctl.store import codec
 
         return {
-            name: fmt.read_shard_index(self.paths.staging / arr.shard_key(shard), shard_batches)
+            name: codec.read_shard_index(self.paths.staging / arr.shard_key(shard), shard_batches)
             for name, arr in arrays.items()
         }
 
@@ -754,7 +754,7 @@ class _Builder:
 
     def _decodes(self, arrays: Mapping[str, ArrayMeta], partial: dict[str, Any]) -> bool:
         """The half-filled batch reads back whole from its shard files (local OUTPUT only)."""
-        from batchctl.store import format as fmt
+        from batchctl.store import codec
         from batchctl.store.shards import read_chunk
 
         if self.paths.remote:
@@ -763,7 +763,7 @@ class _Builder:
             for name, arr in arrays.items():
                 chunk = tuple(int(v) for v in partial["chunks"][name])
                 stored = read_chunk(arr, int(partial["shard"]), self.paths.staging, (chunk[0], chunk[1]))
-                fmt.ChunkEncoder.for_array(arr).decode(stored)
+                codec.ChunkEncoder.for_array(arr).decode(stored)
         except (OSError, ValueError, RuntimeError):  # FormatError is a ValueError
             return False
         return True

@@ -95,8 +95,7 @@ def build_names(pid: int) -> list[str]:
     shm = Path("/dev/shm")
     if not shm.is_dir():
         return []
-    marks = (f"batchctl-{pid}-", f"batchctl-ring-{pid}-")
-    return sorted(p.name for p in shm.iterdir() if any(mark in p.name for mark in marks))
+    return sorted(p.name for p in shm.iterdir() if f"batchctl-{pid}-" in p.name)
 
 
 def run_trial(

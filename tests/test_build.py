@@ -13,7 +13,7 @@ import zarr
 from PIL import Image
 
 import batchctl
-from batchctl.store import format as fmt
+from batchctl.store import format as fmt, metadata
 from tests.conftest import run_cli
 from tests.reference import mean_abs_diff, torchvision_reference
 
@@ -201,7 +201,9 @@ def test_every_compression_checksums_every_chunk(
 def test_auto_compresses_only_what_shrinks(built: tuple, tmp_path: Path) -> None:
     out, _, _ = built
     assert last_codec(out, "image")["name"] == "crc32c"  # photo-like pixels shrink ~10%: stored raw, checksummed
-    assert last_codec(out, fmt.SOURCE_INDEX)["name"] == "zstd" and last_codec(out, fmt.LABEL)["name"] == "zstd"
+    assert (
+        last_codec(out, metadata.SOURCE_INDEX)["name"] == "zstd" and last_codec(out, metadata.LABEL)["name"] == "zstd"
+    )
     src = tmp_path / "steps"
     src.mkdir()
     for i in range(10):

@@ -241,16 +241,14 @@ def test_sweep_removes_only_dead_builds_names() -> None:
     gone.join()
     tag = uuid.uuid4().hex[:8]
     dead = SHM / f"sem.batchctl-{gone.pid}-{tag}"
-    old_ring = SHM / f"batchctl-ring-{gone.pid}-{tag}"
     live = SHM / f"sem.batchctl-{os.getpid()}-{tag}"
     other = SHM / f"sem.other-{gone.pid}-{tag}"
-    for path in (dead, old_ring, live, other):
+    for path in (dead, live, other):
         path.write_bytes(b"")
     try:
         removed = sweep_dead_builds()
-        assert {dead.name, old_ring.name} <= set(removed)
-        assert not dead.exists() and not old_ring.exists()
+        assert dead.name in removed and not dead.exists()
         assert live.exists() and other.exists()
     finally:
-        for path in (dead, old_ring, live, other):
+        for path in (dead, live, other):
             path.unlink(missing_ok=True)

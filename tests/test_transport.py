@@ -17,7 +17,7 @@ from batchctl.run.collate import _provenance
 from batchctl.run.processes import mp_context
 from batchctl.run.ring import SampleRing
 from batchctl.run.workers import WorkerSlots
-from batchctl.store import format as fmt
+from batchctl.store import chunkread, format as fmt, metadata, zarrmeta
 
 
 def output(rows: int, seed: int, name: str = "x") -> TaskOutput:
@@ -85,7 +85,9 @@ def test_a_dead_workers_ring_slot_is_retired() -> None:
     assert slots.claim(333) == first and not slots.ring_usable(first)  # then the retired one: the pipe
 
 
-def sized(files: fmt.DatasetFiles, arrays: dict[str, fmt.ArrayMeta], rows: int) -> dict[str, fmt.ArrayMeta]:
+def sized(
+    files: zarrmeta.DatasetFiles, arrays: dict[str, zarrmeta.ArrayMeta], rows: int
+) -> dict[str, zarrmeta.ArrayMeta]:
     """The arrays `rows` long, their documents rewritten (as the collator does once it is done)."""
     resized = {name: arr.resized(rows) for name, arr in arrays.items()}
     for arr in resized.values():
@@ -93,21 +95,25 @@ def sized(files: fmt.DatasetFiles, arrays: dict[str, fmt.ArrayMeta], rows: int) 
     return resized
 
 
-@pytest.mark.parametrize("compression", fmt.COMPRESSIONS)
+@pytest.mark.parametrize("compression", metadata.COMPRESSIONS)
 def test_shards_written_by_batchctl_read_back_in_zarr(tmp_path: Path, compression: str) -> None:
-    files = fmt.DatasetFiles(str(tmp_path / "d.zarr"))
+    files = zarrmeta.DatasetFiles(str(tmp_path / "d.zarr"))
     files.create_group({"note": "made by batchctl"})
-    schema = {"x": fmt.FieldSpec((3, 5), "float32"), "y": fmt.FieldSpec((), "uint8"), "ok": fmt.FieldSpec((2,), "bool")}
-    layout = fmt.Layout(batch_size=4, shard_batches=3)
+    schema = {
+        "x": metadata.FieldSpec((3, 5), "float32"),
+        "y": metadata.FieldSpec((), "uint8"),
+        "ok": metadata.FieldSpec((2,), "bool"),
+    }
+    layout = metadata.Layout(batch_size=4, shard_batches=3)
     rows = 2 * layout.shard_rows + 7  # a short last shard with a short last chunk
     rng = np.random.default_rng(0)
     columns = {
         "x": rng.random((rows, 3, 5), dtype=np.float32),
         "y": rng.integers(0, 255, rows).astype(np.uint8),
         "ok": rng.random((rows, 2)) > 0.5,
-        fmt.LABEL: rng.integers(0, 3, rows),
-        fmt.SOURCE_INDEX: np.arange(rows) * 3,
-        fmt.SOURCE: np.array([f"é{i}" if i < 10 else f"s{i}" for i in range(rows)], dtype=object),
+        metadata.LABEL: rng.integers(0, 3, rows),
+        metadata.SOURCE_INDEX: np.arange(rows) * 3,
+        metadata.SOURCE: np.array([f"é{i}" if i < 10 else f"s{i}" for i in range(rows)], dtype=object),
     }
     created = fmt.create_arrays(files, schema, layout, compression, True, 3, {n: c[:4] for n, c in columns.items()})
     arrays = sized(files, created, rows)
@@ -118,19 +124,19 @@ def test_shards_written_by_batchctl_read_back_in_zarr(tmp_path: Path, compressio
     assert reopened.attrs["note"] == "made by batchctl" and sorted(reopened.array_keys()) == sorted(columns)
     for name, column in columns.items():
         stored = reopened[name][:]
-        assert np.array_equal(fmt.decode_sources(stored) if name == fmt.SOURCE else stored, column), name
-        assert files.arrays()[name] == arrays[name] == fmt.ArrayMeta.of_zarr(reopened[name])
+        assert np.array_equal(fmt.decode_sources(stored) if name == metadata.SOURCE else stored, column), name
+        assert files.arrays()[name] == arrays[name] == zarrmeta.ArrayMeta.of_zarr(reopened[name])
     with pytest.raises(batchctl.FormatError, match="does not fit"):  # a longer path than the width
         fmt.encode_sources(["abcd"], 3)
-    reader = fmt.ChunkReader.for_array(fmt.DatasetRoot(tmp_path / "d.zarr"), arrays["x"])
+    reader = chunkread.ChunkReader.for_array(chunkread.DatasetRoot(tmp_path / "d.zarr"), arrays["x"])
     assert reader is not None
     assert np.array_equal(reader.read(6)[:3], columns["x"][24:27])
 
 
 ZARR_COMPRESSORS = {  # what docs/format.md prescribes, as zarr-python's codec objects
-    "zstd": lambda: [zarr.codecs.ZstdCodec(level=fmt.ZSTD_LEVEL, checksum=True)],
+    "zstd": lambda: [zarr.codecs.ZstdCodec(level=metadata.ZSTD_LEVEL, checksum=True)],
     "blosc": lambda: [
-        zarr.codecs.BloscCodec(cname="zstd", clevel=fmt.ZSTD_LEVEL, shuffle="shuffle"),
+        zarr.codecs.BloscCodec(cname="zstd", clevel=metadata.ZSTD_LEVEL, shuffle="shuffle"),
         zarr.codecs.Crc32cCodec(),
     ],
     "none": lambda: [zarr.codecs.Crc32cCodec()],
@@ -147,13 +153,17 @@ def test_batchctls_documents_and_shards_are_zarr_pythons(
     """One writer, standard shards: the `zarr.json` documents batchctl writes without zarr-python,
     and the shard files its encoder writes (both engines), are what zarr-python writes for the
     same arrays and data."""
-    layout = fmt.Layout(batch_size=4, shard_batches=3)
+    layout = metadata.Layout(batch_size=4, shard_batches=3)
     rows = 10  # a short last chunk, and an empty position in the shard index
     data = (np.random.default_rng(1).random((rows, *shape)) * 100).astype(dtype)
-    columns = {"x": data, fmt.SOURCE: np.array(["ab", "cdé"] * 5, dtype=object), fmt.SOURCE_INDEX: np.arange(rows)}
-    files = fmt.DatasetFiles(str(tmp_path / "ours.zarr"))
+    columns = {
+        "x": data,
+        metadata.SOURCE: np.array(["ab", "cdé"] * 5, dtype=object),
+        metadata.SOURCE_INDEX: np.arange(rows),
+    }
+    files = zarrmeta.DatasetFiles(str(tmp_path / "ours.zarr"))
     files.create_group({"n": 1})
-    schema = {"x": fmt.FieldSpec(shape, dtype)}
+    schema = {"x": metadata.FieldSpec(shape, dtype)}
     ours = sized(files, fmt.create_arrays(files, schema, layout, compression, labelled=False, source_bytes=5), rows)
     fmt.write_shard_at(files, ours, layout, 0, columns)
     theirs = zarr.open_group(tmp_path / "theirs.zarr", mode="w", attributes={"n": 1})
@@ -179,12 +189,12 @@ def test_batchctls_documents_and_shards_are_zarr_pythons(
 
 
 def test_fields_batchctl_cannot_store_are_refused_in_one_line(tmp_path: Path) -> None:
-    files = fmt.DatasetFiles(str(tmp_path / "d.zarr"))
+    files = zarrmeta.DatasetFiles(str(tmp_path / "d.zarr"))
     files.create_group({})
-    layout = fmt.Layout(batch_size=4, shard_batches=3)
+    layout = metadata.Layout(batch_size=4, shard_batches=3)
     for dtype in ("<U3", "complex64", "object"):
         with pytest.raises(batchctl.FormatError, match=f"'name' has data type {dtype}: batchctl stores integers"):
-            fmt.create_arrays(files, {"name": fmt.FieldSpec((), dtype)}, layout, "zstd", False, 5)
+            fmt.create_arrays(files, {"name": metadata.FieldSpec((), dtype)}, layout, "zstd", False, 5)
 
 
 def test_crc32c_through_the_wheels_library_agrees_with_google_crc32c() -> None:

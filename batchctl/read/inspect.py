@@ -12,7 +12,7 @@ import numpy as np
 
 from batchctl.errors import FormatError
 from batchctl.read.reader import Dataset
-from batchctl.store import format as fmt, storage
+from batchctl.store import codec, metadata, storage, zarrmeta
 
 
 def info(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -39,8 +39,8 @@ def info(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None
             "ratio": round(raw / chunk_bytes, 2) if raw and chunk_bytes else None,
         }
     histogram = None
-    if ds.classes is not None and fmt.LABEL in ds.arrays:
-        labels = [ds.read_field(fmt.LABEL, i) for i in range(ds.num_batches)]  # damage: a FormatError
+    if ds.classes is not None and metadata.LABEL in ds.arrays:
+        labels = [ds.read_field(metadata.LABEL, i) for i in range(ds.num_batches)]  # damage: a FormatError
         counts = np.bincount(np.concatenate(labels) if labels else [], minlength=len(ds.classes))
         histogram = {name: int(n) for name, n in zip(ds.classes, counts, strict=False)}
     return {
@@ -71,24 +71,26 @@ def info(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None
 def _consolidated_problems(ds: Dataset) -> list[Problem]:
     """The group's consolidated copy of the arrays' documents must be theirs: xarray and zarr
     open the arrays from it alone."""
-    files = fmt.DatasetFiles(ds.path, ds.storage_options)
+    files = zarrmeta.DatasetFiles(ds.path, ds.storage_options)
     try:
-        copy = json.loads(files.read(fmt.ZARR_JSON)).get("consolidated_metadata")
+        copy = json.loads(files.read(zarrmeta.ZARR_JSON)).get("consolidated_metadata")
     except (OSError, ValueError, AttributeError) as exc:
-        return [Problem(fmt.ZARR_JSON, f"cannot be read again ({exc})")]
+        return [Problem(zarrmeta.ZARR_JSON, f"cannot be read again ({exc})")]
     if copy is None:
         return []
-    metadata = copy.get("metadata") if isinstance(copy, dict) else None
-    if not isinstance(metadata, dict):
-        return [Problem(fmt.ZARR_JSON, "its consolidated_metadata has no metadata")]
+    documents = copy.get("metadata") if isinstance(copy, dict) else None
+    if not isinstance(documents, dict):
+        return [Problem(zarrmeta.ZARR_JSON, "its consolidated_metadata has no metadata")]
     problems = []
-    for name in sorted(set(ds.arrays) | set(metadata)):
+    for name in sorted(set(ds.arrays) | set(documents)):
         try:
-            own = json.loads(files.read(f"{name}/{fmt.ZARR_JSON}"))
+            own = json.loads(files.read(f"{name}/{zarrmeta.ZARR_JSON}"))
         except (OSError, ValueError):
             own = None
-        if metadata.get(name) != own:
-            problems.append(Problem(name, f"the group's consolidated metadata differs from {name}/{fmt.ZARR_JSON}"))
+        if documents.get(name) != own:
+            problems.append(
+                Problem(name, f"the group's consolidated metadata differs from {name}/{zarrmeta.ZARR_JSON}")
+            )
     return problems
 
 
@@ -136,13 +138,13 @@ def verify(
             problems.append(Problem(name, f"has {arr.shape[0]} rows, the metadata says {ds.num_samples}"))
         if arr.chunks[0] != ds.batch_size or (arr.shards and arr.shards[0] != shard_rows):
             problems.append(Problem(name, f"chunks {arr.chunks} / shards {arr.shards} break the batch layout"))
-        stored = fmt.ArrayMeta.of_zarr(arr)
+        stored = zarrmeta.ArrayMeta.of_zarr(arr)
         have = {shard for shard in _shards_stored(stored, present) if shard < num_shards}
         problems += _missing_shards(name, have, num_shards)
         have = {shard for shard in have if not _index_problems(ds, stored, shard, problems)}
         readable = have if readable is None else readable & have
     problems += _consolidated_problems(ds)
-    spec = {name: fmt.FieldSpec(tuple(s), d) for name, s, d in _field_specs(ds)}
+    spec = {name: metadata.FieldSpec(tuple(s), d) for name, s, d in _field_specs(ds)}
     seen: set[tuple[str, int]] = set()
     per_shard = shard_rows // ds.batch_size
     for shard in sorted(readable or ()):
@@ -156,7 +158,7 @@ def verify(
 MAX_LISTED = 20  # missing shards named one by one, then a count
 
 
-def _shards_stored(arr: fmt.ArrayMeta, present: set[str]) -> set[int]:
+def _shards_stored(arr: zarrmeta.ArrayMeta, present: set[str]) -> set[int]:
     """The shard numbers of `arr` whose files (objects) are there."""
     found = set()
     for key in present:
@@ -183,7 +185,7 @@ def _missing_shards(name: str, have: set[int], num_shards: int) -> list[Problem]
     return named
 
 
-def _index_problems(ds: Dataset, arr: fmt.ArrayMeta, shard: int, problems: list[Problem]) -> bool:
+def _index_problems(ds: Dataset, arr: zarrmeta.ArrayMeta, shard: int, problems: list[Problem]) -> bool:
     """Check shard `shard`'s index: there whole, its checksum right, every batch the dataset holds
     in it present and within the file. Adds what is wrong to `problems`; True when it cannot be read."""
     where = f"{arr.name} shard {shard}"
@@ -200,14 +202,14 @@ def _index_problems(ds: Dataset, arr: fmt.ArrayMeta, shard: int, problems: list[
     first = shard * per_shard
     for position in range(min(per_shard, ds.num_batches - first)):
         offset, nbytes = (int(v) for v in index[position])
-        if offset == fmt.NO_CHUNK:
+        if offset == codec.NO_CHUNK:
             problems.append(Problem(where, f"batch {first + position} is missing from the shard"))
         elif offset + nbytes > size:
             problems.append(Problem(where, f"batch {first + position} lies past the end of the shard file"))
     return False
 
 
-def _read_index(ds: Dataset, arr: fmt.ArrayMeta, shard: int, per_shard: int) -> tuple[int, np.ndarray] | None:
+def _read_index(ds: Dataset, arr: zarrmeta.ArrayMeta, shard: int, per_shard: int) -> tuple[int, np.ndarray] | None:
     """(bytes before the index, the index) of a shard, from one ranged read; None when the file is
     shorter than its index."""
     fs, root = storage.locate(ds.path, ds.storage_options)
@@ -217,11 +219,11 @@ def _read_index(ds: Dataset, arr: fmt.ArrayMeta, shard: int, per_shard: int) -> 
     if size < nbytes:
         return None
     raw = bytes(fs.cat_file(where, start=size - nbytes, end=size))
-    return size - nbytes, fmt.parse_shard_index(raw, per_shard)
+    return size - nbytes, codec.parse_shard_index(raw, per_shard)
 
 
 def _batch_problems(
-    ds: Dataset, index: int, shard: int, spec: Mapping[str, fmt.FieldSpec], seen: set[tuple[str, int]]
+    ds: Dataset, index: int, shard: int, spec: Mapping[str, metadata.FieldSpec], seen: set[tuple[str, int]]
 ) -> list[Problem]:
     problems = []
     batch = {}
@@ -233,8 +235,8 @@ def _batch_problems(
             continue
         if name in spec and batch[name].shape[1:] != spec[name].shape:
             problems.append(Problem(f"{name} batch {index}", f"rows of shape {batch[name].shape[1:]}"))
-    if fmt.SOURCE in batch and fmt.SOURCE_INDEX in batch:
-        for source, row in zip(batch[fmt.SOURCE], batch[fmt.SOURCE_INDEX], strict=True):
+    if metadata.SOURCE in batch and metadata.SOURCE_INDEX in batch:
+        for source, row in zip(batch[metadata.SOURCE], batch[metadata.SOURCE_INDEX], strict=True):
             key = (str(source), int(row))
             if key in seen:
                 problems.append(Problem(f"batch {index}", f"{key[0]} row {key[1]} appears twice"))

@@ -31,7 +31,7 @@ from typing import Any, Protocol, cast
 import numpy as np
 
 from batchctl.errors import ResumeMismatchError, UsageError
-from batchctl.store.format import SOURCE
+from batchctl.store.metadata import SOURCE
 
 STATE_FORMAT = "batchctl.loader/1"
 

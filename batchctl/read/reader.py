@@ -17,7 +17,7 @@ import numpy as np
 from batchctl.errors import BatchctlError, FormatError, UsageError
 from batchctl.read.loader import Batch, Loader
 from batchctl.report import size_text
-from batchctl.store import format as fmt, storage
+from batchctl.store import chunkread, codec, format as fmt, metadata, storage, zarrmeta
 from batchctl.store.cache import ChunkCache
 from batchctl.store.remote import RETRY_FOR_S, RemoteChunkReader, RemoteStore
 
@@ -43,7 +43,7 @@ class Dataset:
         if cache_limit is not None and cache_dir is None:
             raise UsageError("cache_limit needs cache_dir: the folder the cache is kept in")
         # a local dataset's folder is held open first: what is read next is of this version
-        self._root = None if storage.is_url(self.path) else fmt.DatasetRoot(Path(self.path))
+        self._root = None if storage.is_url(self.path) else chunkread.DatasetRoot(Path(self.path))
         try:
             self.group, self.attrs = fmt.open_group(self.path, allow_partial, self.storage_options)
             self.arrays = fmt.open_dataset_arrays(self.group, self.attrs, self.path)
@@ -56,7 +56,7 @@ class Dataset:
         self.batch_size = self.attrs.batch_size
         self.build_id = self.attrs.build_id  # the version: a loader's resume state names it
         self.num_samples = self.attrs.num_samples if self.attrs.complete else self._rows_present()
-        self.num_batches = fmt.num_batches(self.num_samples, self.batch_size)
+        self.num_batches = metadata.num_batches(self.num_samples, self.batch_size)
         self.classes: list[str] | None = self.attrs.classes
         # batches are read straight from the shard files: a local one's by pread, an object's by
         # one ranged read each; a layout batchctl does not write is read through zarr (which reads
@@ -73,10 +73,10 @@ class Dataset:
             cache = ChunkCache(cache_dir, cache_limit, self.path, self.build_id)
         return RemoteStore(self.path, self.storage_options, cache, retry_for)
 
-    def _chunk_readers(self) -> dict[str, fmt.ChunkReader | RemoteChunkReader | None]:
-        metas = {name: fmt.ArrayMeta.of_zarr(arr) for name, arr in self.arrays.items()}
+    def _chunk_readers(self) -> dict[str, chunkread.ChunkReader | RemoteChunkReader | None]:
+        metas = {name: zarrmeta.ArrayMeta.of_zarr(arr) for name, arr in self.arrays.items()}
         if self._root is not None:
-            return {name: fmt.ChunkReader.for_array(self._root, meta) for name, meta in metas.items()}
+            return {name: chunkread.ChunkReader.for_array(self._root, meta) for name, meta in metas.items()}
         assert self._store is not None
         return {name: RemoteChunkReader.for_array(self._store, meta) for name, meta in metas.items()}
 
@@ -95,7 +95,7 @@ class Dataset:
         for name, reader in self._fast.items():
             if isinstance(reader, RemoteChunkReader) and self.num_batches:
                 sizes = reader.indexes[0][:, 1]
-                present = sizes[reader.indexes[0][:, 0] != fmt.NO_CHUNK]
+                present = sizes[reader.indexes[0][:, 0] != codec.NO_CHUNK]
                 total += int(present.mean()) if len(present) else 0
             else:
                 arr = self.arrays[name]
@@ -109,7 +109,7 @@ class Dataset:
     def fields(self) -> dict[str, tuple[tuple[int, ...], np.dtype[Any]]]:
         """Field name -> (row shape, dtype), for every array including `source` (str) and `source_index`."""
         return {
-            name: ((), np.dtype(np.str_)) if name == fmt.SOURCE else (tuple(arr.shape[1:]), np.dtype(arr.dtype))
+            name: ((), np.dtype(np.str_)) if name == metadata.SOURCE else (tuple(arr.shape[1:]), np.dtype(arr.dtype))
             for name, arr in self.arrays.items()
         }
 
@@ -138,7 +138,7 @@ class Dataset:
         index, start, stop = self._rows_of(index)
         into = dict(into or {})
         for name, rows in into.items():
-            if name == fmt.SOURCE or len(rows) != self.batch_size:
+            if name == metadata.SOURCE or len(rows) != self.batch_size:
                 raise ValueError(f"expected {self.batch_size} row buffers of numeric {name}, got {len(rows)}")
         names = [name for name in self.arrays if name not in into] if fields is None else fields
         whole = {name: self._chunk_buffer(name) for name in names if self._fast[name] is not None}
@@ -146,7 +146,7 @@ class Dataset:
         out: Batch = {}
         for name in names:
             values = whole[name][: stop - start] if name in whole else self._read_zarr(name, start, stop)
-            out[name] = fmt.decode_sources(values) if name == fmt.SOURCE else values
+            out[name] = fmt.decode_sources(values) if name == metadata.SOURCE else values
         for name, buffers in into.items():
             if self._fast[name] is None:
                 for buffer, values in zip(buffers, self._read_zarr(name, start, stop), strict=False):
@@ -161,7 +161,7 @@ class Dataset:
                 self._store.read_chunks(index, [(cast(RemoteChunkReader, self._fast[n]), r) for n, r in fast.items()])
             return
         for name, rows in fast.items():
-            cast(fmt.ChunkReader, self._fast[name]).read_rows(index, rows)
+            cast(chunkread.ChunkReader, self._fast[name]).read_rows(index, rows)
 
     def _chunk_buffer(self, name: str) -> np.ndarray:
         arr = self.arrays[name]
@@ -182,7 +182,7 @@ class Dataset:
         arr = self.arrays[name]
         shard = start // int(arr.shards[0] if arr.shards else arr.chunks[0])
         if (name, shard) not in self._present:
-            key = fmt.ArrayMeta.of_zarr(arr).shard_key(shard)
+            key = zarrmeta.ArrayMeta.of_zarr(arr).shard_key(shard)
             fs, root = storage.locate(self.path, self.storage_options)
             if not fs.exists(f"{root}/{key}"):
                 if self._root is not None:

@@ -47,7 +47,7 @@ from batchctl.run.mpinternals import queue_reader
 from batchctl.run.processes import init_child
 from batchctl.run.ring import InRing, SampleRing
 from batchctl.run.writeplan import Carry, CollatorConfig
-from batchctl.store import format as fmt, shards, storage
+from batchctl.store import chunkread, codec, format as fmt, metadata, shards, storage
 
 SYNC_S = 1.0  # batches are journaled (their shard files fsynced first) at most this long after being written
 # Threads that encode and write batches (zstd, blosc, crc32c and pwritev release the GIL). The
@@ -58,15 +58,15 @@ BATCHES_IN_FLIGHT = 6  # batch buffers being encoded or written, at most (memory
 WRITE_SLICE = 2**20  # a big chunk is written in slices of this many bytes, by all writer threads at once
 
 
-def check_schema(schema: fmt.Schema, sample: Sample) -> str | None:
+def check_schema(schema: metadata.Schema, sample: Sample) -> str | None:
     """Why `sample` does not fit `schema`, or None when it does."""
-    taken = sorted(set(sample) & set(fmt.RESERVED_FIELDS))
+    taken = sorted(set(sample) & set(metadata.RESERVED_FIELDS))
     if taken:
         return f"field names {', '.join(taken)} are batchctl's own; rename them in the preprocessor"
     if set(sample) != set(schema):
         return f"fields {', '.join(sorted(sample))} differ from the dataset's {', '.join(sorted(schema))}"
     for name, value in sample.items():
-        got, want = fmt.FieldSpec.of(value), schema[name]
+        got, want = metadata.FieldSpec.of(value), schema[name]
         if got != want:
             return f"field {name!r} is {got.shape} {got.dtype}, the dataset's is {want.shape} {want.dtype}"
     return None
@@ -104,9 +104,9 @@ class Collator:
         self.local_root = None if config.paths.remote else config.paths.staging
         self.work = staging.workdir(config.paths)
         self.arrays = self.files.arrays()
-        self.schema: fmt.Schema | None = None
-        self.layout: fmt.Layout | None = None
-        self.encoders: dict[str, fmt.ChunkEncoder] = {}
+        self.schema: metadata.Schema | None = None
+        self.layout: metadata.Layout | None = None
+        self.encoders: dict[str, codec.ChunkEncoder] = {}
         self.batch: _Batch | None = None
         self.next_batch = len(config.resume.batches)  # the number of the batch being filled
         self.samples = sum(int(batch["rows"]) for batch in config.resume.batches)
@@ -124,12 +124,12 @@ class Collator:
         """Resume: continue the arrays an interrupted run created, in its open shard, from the
         half-filled batch it left (read back from that shard, whose file is cut before it)."""
         self.schema = {
-            name: fmt.FieldSpec(tuple(arr.shape[1:]), arr.dtype)
+            name: metadata.FieldSpec(tuple(arr.shape[1:]), arr.dtype)
             for name, arr in self.arrays.items()
-            if name not in fmt.RESERVED_FIELDS
+            if name not in metadata.RESERVED_FIELDS
         }
-        shard_rows = self.arrays[fmt.SOURCE].grid[0]
-        self._layout(fmt.Layout(self.config.batch_size, shard_rows // self.config.batch_size))
+        shard_rows = self.arrays[metadata.SOURCE].grid[0]
+        self._layout(metadata.Layout(self.config.batch_size, shard_rows // self.config.batch_size))
         resume = self.config.resume
         if resume.partial is not None:
             self._reload(resume.partial)  # before its shard file is cut short
@@ -146,15 +146,15 @@ class Collator:
         for name, arr in self.arrays.items():
             stored = shards.read_chunk(arr, shard, self.local_root, tuple(partial["chunks"][name]))
             rows = self.encoders[name].decode(stored)[: partial["rows"]]
-            if name == fmt.SOURCE:
+            if name == metadata.SOURCE:
                 self.batch.sources = fmt.decode_sources(rows).tolist()
             else:
                 self.batch.columns[name][: len(rows)] = rows
         self.batch.entries = [list(entry) for entry in partial["files"]]
 
-    def _layout(self, layout: fmt.Layout) -> None:
+    def _layout(self, layout: metadata.Layout) -> None:
         self.layout = layout
-        self.encoders = {name: fmt.ChunkEncoder.for_array(arr) for name, arr in self.arrays.items()}
+        self.encoders = {name: codec.ChunkEncoder.for_array(arr) for name, arr in self.arrays.items()}
         self.batch = self._new_batch()
 
     def _shard_batches(self) -> int:
@@ -162,9 +162,9 @@ class Collator:
         return self.layout.shard_batches
 
     def _start(self, rows: dict[str, np.ndarray]) -> None:
-        self.schema = {name: fmt.FieldSpec.of(column[0]) for name, column in rows.items()}
-        shard_batches = self.config.shard_batches or fmt.default_shard_batches(self.config.batch_size, self.schema)
-        layout = fmt.Layout(self.config.batch_size, shard_batches)
+        self.schema = {name: metadata.FieldSpec.of(column[0]) for name, column in rows.items()}
+        shard_batches = self.config.shard_batches or metadata.default_shard_batches(self.config.batch_size, self.schema)
+        layout = metadata.Layout(self.config.batch_size, shard_batches)
         self.arrays = fmt.create_arrays(
             self.files,
             self.schema,
@@ -186,15 +186,15 @@ class Collator:
         assert self.schema is not None and self.layout is not None
         rows = self.layout.batch_size
         columns = {name: np.empty((rows, *spec.shape), spec.dtype) for name, spec in self.schema.items()}
-        columns[fmt.SOURCE_INDEX] = np.empty(rows, np.int64)
+        columns[metadata.SOURCE_INDEX] = np.empty(rows, np.int64)
         if self.config.labelled:
-            columns[fmt.LABEL] = np.empty(rows, np.int64)
+            columns[metadata.LABEL] = np.empty(rows, np.int64)
         return _Batch(columns)
 
     def add(self, output: TaskOutput) -> None:
         """Copy an output's rows into the batch being filled, writing each batch as it fills up."""
         first_row = {name: column[0] for name, column in output.columns.items()}
-        reason = check_schema(self.schema or {n: fmt.FieldSpec.of(v) for n, v in first_row.items()}, first_row)
+        reason = check_schema(self.schema or {n: metadata.FieldSpec.of(v) for n, v in first_row.items()}, first_row)
         if reason:  # (the worker checked that the rows of one output agree with each other)
             for task, rows in output.parts:
                 self.events.put(Rejected(task[1], reason, rows))
@@ -211,9 +211,9 @@ class Collator:
             take = min(output.rows - done, self.layout.batch_size - start)
             for name, column in output.columns.items():
                 batch.columns[name][start : start + take] = column[done : done + take]
-            batch.columns[fmt.SOURCE_INDEX][start : start + take] = source_index[done : done + take]
+            batch.columns[metadata.SOURCE_INDEX][start : start + take] = source_index[done : done + take]
             if self.config.labelled:
-                batch.columns[fmt.LABEL][start : start + take] = labels[done : done + take]
+                batch.columns[metadata.LABEL][start : start + take] = labels[done : done + take]
             batch.sources.extend(sources[done : done + take])
             done += take
             while take:  # journal what of each task this batch holds
@@ -232,7 +232,7 @@ class Collator:
 
         group = zarr.open_group(carry.url, mode="r", **storage.zarr_options(carry.url, carry.storage_options))
         assert self.schema is not None
-        old = fmt.RowReader(carry.url, {n: a for n, a in group.arrays() if n in self.schema})
+        old = chunkread.RowReader(carry.url, {n: a for n, a in group.arrays() if n in self.schema})
         last_run = {run.key: i for i, run in enumerate(carry.runs)}
         pending: dict[PathKey, list[tuple[CarryRun, dict[str, np.ndarray]]]] = {}
         number = 0
@@ -271,8 +271,8 @@ class Collator:
         batch, rows = self.batch, self.batch.rows
         if not self.open:
             self._open_shards(self.next_batch // self._shard_batches(), {})
-        columns = {name: batch.columns[name][:rows] for name in self.arrays if name != fmt.SOURCE}
-        columns[fmt.SOURCE] = fmt.stored_column(self.arrays[fmt.SOURCE], fmt.SOURCE, batch.sources)
+        columns = {name: batch.columns[name][:rows] for name in self.arrays if name != metadata.SOURCE}
+        columns[metadata.SOURCE] = fmt.stored_column(self.arrays[metadata.SOURCE], metadata.SOURCE, batch.sources)
         line = {"batch": self.next_batch, "shard": self.open_index, "rows": rows, "chunks": {}, "files": batch.entries}
         self.in_flight.append(_InFlight(line, self.threads.submit(self._encode, columns), batch.columns))
         self.samples += rows
@@ -360,7 +360,7 @@ class Collator:
             self.files.write_array(self.arrays[name])
         schema = {name: spec.to_json() for name, spec in (self.schema or {}).items()}
         shard_batches = self.layout.shard_batches if self.layout else 0
-        batches = fmt.num_batches(self.samples, self.config.batch_size)
+        batches = metadata.num_batches(self.samples, self.config.batch_size)
         return Finished(self.samples, -(-batches // shard_batches) if shard_batches else 0, shard_batches, schema)
 
     def stop(self) -> Stopped:

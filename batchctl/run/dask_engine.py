@@ -28,7 +28,7 @@ from batchctl.run.collate import check_schema
 from batchctl.run.staging import BuildPaths
 from batchctl.run.workers import preprocess_task
 from batchctl.run.writeplan import Carry
-from batchctl.store import format as fmt, storage
+from batchctl.store import chunkread, format as fmt, metadata, storage, zarrmeta
 from batchctl.store.storage import SourceRoot
 
 
@@ -45,8 +45,8 @@ class GroupSpec:
     dataset: str  # the staging dataset: a shared path or a URL
     storage_options: Mapping[str, Any]
     spill: str  # where this group's rows go when they are not one whole shard
-    layout: fmt.Layout
-    schema: dict[str, fmt.FieldSpec]
+    layout: metadata.Layout
+    schema: dict[str, metadata.FieldSpec]
     labelled: bool
 
 
@@ -89,29 +89,29 @@ def run_group(spec: GroupSpec) -> GroupResult:
         if output is not None:
             outputs.append(output)
     columns = _columns(outputs, spec.schema, spec.labelled)
-    rows = len(columns[fmt.SOURCE])
+    rows = len(columns[metadata.SOURCE])
     full = rows == spec.layout.shard_rows
     if full:
-        files = fmt.DatasetFiles(spec.dataset, spec.storage_options)
+        files = zarrmeta.DatasetFiles(spec.dataset, spec.storage_options)
         fmt.write_shard_at(files, files.arrays(), spec.layout, spec.shard, columns)
     else:
         _store_spill(spec.spill, spec.storage_options, columns)
     return GroupResult(spec.index, results, rows, full, os.getpid(), os.uname().nodename)
 
 
-def _columns(outputs: list[Any], schema: Mapping[str, fmt.FieldSpec], labelled: bool) -> dict[str, np.ndarray]:
+def _columns(outputs: list[Any], schema: Mapping[str, metadata.FieldSpec], labelled: bool) -> dict[str, np.ndarray]:
     """The rows of a group's outputs as dataset columns, provenance included."""
     columns: dict[str, np.ndarray] = {}
     for name, spec in schema.items():
         parts = [output.columns[name] for output in outputs]
         columns[name] = np.concatenate(parts) if parts else np.empty((0, *spec.shape), spec.dtype)
     parts_of = [(task, rows) for output in outputs for task, rows in output.parts]
-    columns[fmt.SOURCE] = np.array([t[1] for t, n in parts_of for _ in range(n)], dtype=object)
-    columns[fmt.SOURCE_INDEX] = np.array(
+    columns[metadata.SOURCE] = np.array([t[1] for t, n in parts_of for _ in range(n)], dtype=object)
+    columns[metadata.SOURCE_INDEX] = np.array(
         [i for t, n in parts_of for i in range(sent_start(t), sent_start(t) + n)], dtype=np.int64
     )
     if labelled:
-        columns[fmt.LABEL] = np.array([t[2] for t, n in parts_of for _ in range(n)], dtype=np.int64)
+        columns[metadata.LABEL] = np.array([t[2] for t, n in parts_of for _ in range(n)], dtype=np.int64)
     return columns
 
 
@@ -154,7 +154,7 @@ def plan_compaction(full: list[int], spill_rows: int, shard_rows: int) -> Compac
     return Compaction(moves, rest, total)
 
 
-def move_shard(paths: BuildPaths, arrays: Mapping[str, fmt.ArrayMeta], source: int, target: int) -> None:
+def move_shard(paths: BuildPaths, arrays: Mapping[str, zarrmeta.ArrayMeta], source: int, target: int) -> None:
     """Move one whole shard's objects (their bytes do not depend on where the shard sits)."""
     fs, root = storage.locate(paths.staging_url, paths.storage_options)
     for arr in arrays.values():
@@ -169,7 +169,7 @@ def spill_rows(spills: list[dict[str, np.ndarray]], shard_rows: int) -> Iterator
         return
     names = list(spills[0])
     merged = {name: np.concatenate([spill[name] for spill in spills]) for name in names}
-    total = len(merged[fmt.SOURCE])
+    total = len(merged[metadata.SOURCE])
     for start in range(0, total, shard_rows):
         yield {name: column[start : start + shard_rows] for name, column in merged.items()}
 
@@ -214,9 +214,9 @@ class DaskRun:
         arrays = self.files.arrays()
         if arrays:  # resumed, or seeded from the last build: the arrays say what they hold
             schema = {
-                name: fmt.FieldSpec(tuple(arr.shape[1:]), arr.dtype)
+                name: metadata.FieldSpec(tuple(arr.shape[1:]), arr.dtype)
                 for name, arr in arrays.items()
-                if name not in fmt.RESERVED_FIELDS
+                if name not in metadata.RESERVED_FIELDS
             }
             rows: dict[str, np.ndarray] = {}
         else:
@@ -229,32 +229,32 @@ class DaskRun:
             if cluster is not None:
                 cluster.close()
 
-    def _shard_batches(self, tasks: list[Task], schema: dict[str, fmt.FieldSpec], client: Any) -> int:
+    def _shard_batches(self, tasks: list[Task], schema: dict[str, metadata.FieldSpec], client: Any) -> int:
         """The usual ~128 MiB shards, but small enough that every worker thread gets about four
         groups: a group is one Dask task, and a data set of few shards would leave workers idle."""
         if self.job.shard_batches:
             return int(self.job.shard_batches)
         threads = max(1, sum(client.nthreads().values()))
         batches = -(-sum(_expected_rows(task) for task in tasks) // self.job.batch_size)
-        spread = max(fmt.MIN_SHARD_BATCHES, -(-batches // (4 * threads)))
-        return int(min(fmt.default_shard_batches(self.job.batch_size, schema), spread))
+        spread = max(metadata.MIN_SHARD_BATCHES, -(-batches // (4 * threads)))
+        return int(min(metadata.default_shard_batches(self.job.batch_size, schema), spread))
 
     def _arrays(
-        self, tasks: list[Task], schema: dict[str, fmt.FieldSpec], rows: dict[str, np.ndarray], client: Any
-    ) -> tuple[dict[str, fmt.ArrayMeta], fmt.Layout]:
+        self, tasks: list[Task], schema: dict[str, metadata.FieldSpec], rows: dict[str, np.ndarray], client: Any
+    ) -> tuple[dict[str, zarrmeta.ArrayMeta], metadata.Layout]:
         """The staging arrays: there already (their layout stands), or created now."""
         arrays = self.files.arrays()
         if arrays:
-            shard_rows = arrays[fmt.SOURCE].grid[0]
-            return arrays, fmt.Layout(self.job.batch_size, shard_rows // self.job.batch_size)
-        layout = fmt.Layout(self.job.batch_size, self._shard_batches(tasks, schema, client))
+            shard_rows = arrays[metadata.SOURCE].grid[0]
+            return arrays, metadata.Layout(self.job.batch_size, shard_rows // self.job.batch_size)
+        layout = metadata.Layout(self.job.batch_size, self._shard_batches(tasks, schema, client))
         job = self.job
         return fmt.create_arrays(
             self.files, schema, layout, job.compression, job.labelled, job.source_bytes, rows
         ), layout
 
     def _run(
-        self, tasks: list[Task], schema: dict[str, fmt.FieldSpec], rows: dict[str, np.ndarray], client: Any
+        self, tasks: list[Task], schema: dict[str, metadata.FieldSpec], rows: dict[str, np.ndarray], client: Any
     ) -> Finished:
         arrays, layout = self._arrays(tasks, schema, rows, client)
         first = max((int(line["group"]) for line in self.job.kept_groups), default=-1) + 1
@@ -292,10 +292,10 @@ class DaskRun:
     def _shard_of(self, group: int) -> int:
         return self.job.base + group
 
-    def _write_carry(self, carry: Carry, schema: Mapping[str, fmt.FieldSpec]) -> dict[str, Any]:
+    def _write_carry(self, carry: Carry, schema: Mapping[str, metadata.FieldSpec]) -> dict[str, Any]:
         """The rows carried over from the last build, as one spill (group -1), journaled."""
         old = zarr.open_group(carry.url, mode="r", **storage.zarr_options(carry.url, carry.storage_options))
-        reader = fmt.RowReader(carry.url, {n: a for n, a in old.arrays() if n in schema})
+        reader = chunkread.RowReader(carry.url, {n: a for n, a in old.arrays() if n in schema})
         pieces: dict[str, list[np.ndarray]] = {name: [] for name in schema}
         for run in carry.runs:
             start = run.shard * carry.shard_rows + run.start
@@ -303,25 +303,31 @@ class DaskRun:
                 pieces[name].append(reader.rows(name, start, start + run.rows))
         reader.close()
         columns = {name: np.concatenate(parts) for name, parts in pieces.items()}
-        columns[fmt.SOURCE] = np.array([run.item.relpath for run in carry.runs for _ in range(run.rows)], dtype=object)
-        columns[fmt.SOURCE_INDEX] = np.concatenate([np.arange(run.index, run.index + run.rows) for run in carry.runs])
+        columns[metadata.SOURCE] = np.array(
+            [run.item.relpath for run in carry.runs for _ in range(run.rows)], dtype=object
+        )
+        columns[metadata.SOURCE_INDEX] = np.concatenate(
+            [np.arange(run.index, run.index + run.rows) for run in carry.runs]
+        )
         if self.job.labelled:
-            columns[fmt.LABEL] = np.concatenate([np.full(run.rows, run.item.label, np.int64) for run in carry.runs])
+            columns[metadata.LABEL] = np.concatenate(
+                [np.full(run.rows, run.item.label, np.int64) for run in carry.runs]
+            )
         _store_spill(self.paths.spill_url(-1), self.paths.storage_options, columns)
         files = [[r.item.relpath, r.rows, True, r.item.size, r.item.mtime_ns, r.first] for r in carry.runs]
-        line = {"group": -1, "full": False, "rows": len(columns[fmt.SOURCE]), "files": files}
+        line = {"group": -1, "full": False, "rows": len(columns[metadata.SOURCE]), "files": files}
         self.work.append_group(line)
         return line
 
-    def _probe_schema(self, tasks: list[Task]) -> tuple[dict[str, fmt.FieldSpec], dict[str, np.ndarray]]:
+    def _probe_schema(self, tasks: list[Task]) -> tuple[dict[str, metadata.FieldSpec], dict[str, np.ndarray]]:
         """The schema and rows of the first file that preprocesses, here in the client (one file's
         work; `auto` compression measures the rows)."""
         for task in tasks:
             _, output = preprocess_task(task, self.job.preprocessor, self.job.pp_options, self.job.source)
             if output is not None:
                 first = {name: column[0] for name, column in output.columns.items()}
-                if check_schema({name: fmt.FieldSpec.of(v) for name, v in first.items()}, first) is None:
-                    return {name: fmt.FieldSpec.of(value) for name, value in first.items()}, output.columns
+                if check_schema({name: metadata.FieldSpec.of(v) for name, v in first.items()}, first) is None:
+                    return {name: metadata.FieldSpec.of(value) for name, value in first.items()}, output.columns
         raise PipelineError(f"no samples were produced: all {len(tasks)} files were skipped")
 
     def _client(self) -> Any:
@@ -334,7 +340,7 @@ class DaskRun:
         cluster = LocalCluster(n_workers=self.job.workers, threads_per_worker=1, processes=True, dashboard_address=None)
         return Client(cluster), cluster
 
-    def _submit(self, client: Any, specs: list[GroupSpec], layout: fmt.Layout) -> list[dict[str, Any]]:
+    def _submit(self, client: Any, specs: list[GroupSpec], layout: metadata.Layout) -> list[dict[str, Any]]:
         """Run the groups; each one's journal line once it is done (its shard or spill is written)."""
         from distributed import as_completed
 
@@ -361,7 +367,9 @@ class DaskRun:
         finally:
             client.cancel(futures)
 
-    def _compact(self, arrays: dict[str, fmt.ArrayMeta], layout: fmt.Layout, done: list[dict[str, Any]]) -> int:
+    def _compact(
+        self, arrays: dict[str, zarrmeta.ArrayMeta], layout: metadata.Layout, done: list[dict[str, Any]]
+    ) -> int:
         """Make the shards contiguous; the dataset's number of samples."""
         full = list(range(self.job.base)) + sorted(self._shard_of(int(g["group"])) for g in done if g["full"])
         spilled = sorted((g for g in done if not g["full"] and g["rows"]), key=lambda g: int(g["group"]))
@@ -371,7 +379,9 @@ class DaskRun:
         for name, arr in arrays.items():
             arrays[name] = arr.resized(plan.total_rows)
             self.files.write_array(arrays[name])
-        fmt.remove_shards_from(self.files, arrays, -(-plan.total_rows // layout.shard_rows))  # as zarr's resize did
+        fmt.remove_shards_from(
+            self.files, arrays, -(-plan.total_rows // layout.shard_rows)
+        )  # a longer previous build's shards past the end
         spills = [read_spill(self.paths.spill_url(int(g["group"])), self.paths.storage_options) for g in spilled]
         for index, columns in zip(plan.spill_shards, spill_rows(spills, layout.shard_rows), strict=True):
             fmt.write_shard_at(self.files, arrays, layout, index, columns)

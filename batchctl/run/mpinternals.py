@@ -23,6 +23,12 @@ Why each is needed:
   once the parent is gone (`QuietPool`).
 - `process.ORIGINAL_DIR`: where a child looks for the parent's main script, when its path is
   relative (`main_script_for_children`).
+- `forkserver.ensure_running`, `resource_tracker.ensure_running` (undocumented): start the
+  fork server and the resource tracker at a moment batchctl picks, with the stop signals blocked
+  (`batchctl.run.processes.start_forkserver`), not at the first process started.
+  (The one other private CPython use is `atexit._run_exitfuncs`, in `batchctl.__main__`: the
+  CLI runs the exit functions, then `os._exit`s; importing this module there would cost every
+  command its `multiprocessing.pool` import.)
 - `current_process()._inheriting`: set while a new child re-runs the parent's main script
   (multiprocessing does, to find what the script defines); a script that calls `build()` outside
   `if __name__ == "__main__":` would start a build in every child (`reimporting_main`).
@@ -34,13 +40,21 @@ import contextlib
 import os
 import sys
 import threading
-from multiprocessing import process, reduction
+from multiprocessing import forkserver, process, reduction, resource_tracker
 from multiprocessing.pool import TERMINATE, Pool
 from multiprocessing.queues import SimpleQueue
 from typing import Any
 
 LOCK_WAIT_S = 0.5
 SHUTDOWN_S = 5.0
+
+
+def ensure_resource_tracker() -> None:
+    resource_tracker.ensure_running()
+
+
+def ensure_forkserver() -> None:
+    forkserver.ensure_running()
 
 
 class ResultQueue(SimpleQueue[Any]):

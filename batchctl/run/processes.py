@@ -28,7 +28,6 @@ import re
 import signal
 import threading
 from collections.abc import Callable, Iterator
-from multiprocessing import forkserver, resource_tracker
 from multiprocessing.context import ForkServerContext
 from pathlib import Path
 from typing import Any
@@ -56,9 +55,8 @@ REIMPORTED_MAIN_TEXT = (
 # lines after every such kill, `tests/stress.py`): it is started with that warning ignored.
 TRACKER_WARNINGS = "ignore::UserWarning:multiprocessing.resource_tracker"
 SHM_DIR = Path("/dev/shm")
-# /dev/shm names batchctl creates, with the pid of the build's parent: semaphores, and the named
-# ring segments of batchctl before 0.1.1.
-DEAD_BUILD_NAME = re.compile(r"^(?:sem\.batchctl|batchctl-ring)-(\d+)-")
+# /dev/shm names batchctl creates (its semaphores), with the pid of the build's parent
+DEAD_BUILD_NAME = re.compile(r"^sem\.batchctl-(\d+)-")
 
 _server_pid: int | None = None  # in the fork server and the children it forks: the server's pid
 
@@ -76,13 +74,15 @@ def start_forkserver() -> None:
     """Start the fork server (if it is not running) with SIGINT and SIGTERM blocked in this
     thread: the server inherits the mask and sets up its own dispositions before unblocking
     (`become_forkserver`), and a signal for this process meanwhile waits instead of being lost."""
+    from batchctl.run import mpinternals  # (multiprocessing.pool: kept off the CLI's start-up path)
+
     mp_context()
     # The resource tracker first: starting it unblocks SIGINT/SIGTERM in this thread when done
     # (its own block and unblock), which would leave the fork server started unprotected.
     warnings = os.environ.get("PYTHONWARNINGS")
     os.environ["PYTHONWARNINGS"] = f"{warnings},{TRACKER_WARNINGS}" if warnings else TRACKER_WARNINGS
     try:
-        resource_tracker.ensure_running()
+        mpinternals.ensure_resource_tracker()
     finally:
         if warnings is None:
             del os.environ["PYTHONWARNINGS"]
@@ -91,7 +91,7 @@ def start_forkserver() -> None:
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     added = limit_library_threads()  # for the server and its children, not for a calling program
     try:
-        forkserver.ensure_running()
+        mpinternals.ensure_forkserver()
     finally:
         for name in added:
             os.environ.pop(name, None)

@@ -1,10 +1,11 @@
 """Preprocessing workers: the pool, bounded dispatch, and the task that runs in each worker.
 
-Workers hand their samples straight to the collator, through their slot of the shared-memory
-ring (`batchctl.run.ring`) with a small message on the collator's queue, and return only a small
-`TaskResult` to the parent, so sample arrays are never pickled, and a slow collator slows the
-workers down instead of filling memory (a worker waits for its slot to be free). No exception
-crosses the pool: a failing file becomes a `TaskResult` with its error text.
+Workers hand their samples straight to the collator: through their slot of the shared-memory
+ring (`batchctl.run.ring`) with a small message on the collator's queue, or pickled through that
+queue when the ring cannot take them. To the parent a chunk of tasks returns only `Done` tuples
+(task, samples sent, error), so sample arrays never pass through the parent, and a slow collator
+slows the workers down instead of filling memory (a worker waits for its slot to be free). No
+exception crosses the pool: a failing file becomes a `Done` with its error text.
 """
 
 from __future__ import annotations

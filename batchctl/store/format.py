@@ -1,6 +1,8 @@
-"""The on-disk format, enforced here and nowhere else (docs/format.md describes it): the arrays
-and their attributes. The metadata (`batchctl.store.metadata`), the shard codec (`batchctl.store.codec`) and
-the chunk reader (`batchctl.store.chunkread`) live apart and are re-exported here.
+"""The dataset's arrays as the format lays them out (docs/format.md describes it): which fields
+are compressed, how `source` strings are stored, making and opening the arrays, and writing or
+removing whole shards. The attributes and their checks live in `batchctl.store.metadata`, the
+documents in `batchctl.store.zarrmeta`, the shard codec in `batchctl.store.codec` and the chunk
+readers in `batchctl.store.chunkread` (local) and `batchctl.store.remote` (URLs).
 
 A dataset is a Zarr v3 group. Every array has one row per sample, is chunked by exactly
 `batch_size` rows (one chunk = one batch) and sharded by `shard_batches` chunks. batchctl encodes
@@ -21,45 +23,22 @@ import numpy as np
 
 from batchctl.errors import FormatError, IncompleteDatasetError
 from batchctl.store import storage
-from batchctl.store.chunkread import (
-    ChunkReader as ChunkReader,
-    DatasetRoot as DatasetRoot,
-    RowReader as RowReader,
-)
 from batchctl.store.codec import (
-    NO_CHUNK as NO_CHUNK,
-    ChunkEncoder as ChunkEncoder,
-    own_codecs as own_codecs,
-    parse_shard_index as parse_shard_index,
-    read_shard_index as read_shard_index,
-    shard_index_bytes as shard_index_bytes,
+    ChunkEncoder,
+    shard_index_bytes,
 )
-from batchctl.store.metadata import (  # the metadata, re-exported: `format` is the one place the format lives
-    ATTRS_KEY as ATTRS_KEY,
-    COMPRESSIONS as COMPRESSIONS,
-    DEFAULT_SHARD_BYTES as DEFAULT_SHARD_BYTES,
-    FORMAT_VERSION as FORMAT_VERSION,
-    LABEL as LABEL,
-    MAX_SHARD_BATCHES as MAX_SHARD_BATCHES,
-    MAX_SKIPPED_LISTED as MAX_SKIPPED_LISTED,
-    MIN_SHARD_BATCHES as MIN_SHARD_BATCHES,
-    RESERVED_FIELDS as RESERVED_FIELDS,
-    SOURCE as SOURCE,
-    SOURCE_INDEX as SOURCE_INDEX,
-    SOURCE_WIDTH_STEP as SOURCE_WIDTH_STEP,
-    ZSTD_LEVEL as ZSTD_LEVEL,
-    DatasetAttrs as DatasetAttrs,
-    FieldSpec as FieldSpec,
-    Layout as Layout,
-    Schema as Schema,
-    default_shard_batches as default_shard_batches,
-    dimension_names as dimension_names,
-    num_batches as num_batches,
-    parse_compression as parse_compression,
-    source_width as source_width,
-    write_dataset_attrs as write_dataset_attrs,
+from batchctl.store.metadata import (
+    ATTRS_KEY,
+    LABEL,
+    SOURCE,
+    SOURCE_INDEX,
+    ZSTD_LEVEL,
+    DatasetAttrs,
+    Layout,
+    Schema,
+    dimension_names,
 )
-from batchctl.store.zarrmeta import ZARR_JSON as ZARR_JSON, ArrayMeta as ArrayMeta, DatasetFiles as DatasetFiles
+from batchctl.store.zarrmeta import ArrayMeta, DatasetFiles
 
 if TYPE_CHECKING:
     import zarr

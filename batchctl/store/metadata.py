@@ -106,7 +106,6 @@ class DatasetAttrs:
     skipped: list[list[str]] = field(default_factory=list)  # [source, reason] of the first MAX_SKIPPED_LISTED
     ignored_paths: list[str] = field(default_factory=list)  # the first 1000 files in SOURCE not taken
     format_version: int = FORMAT_VERSION
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from batchctl.errors import FormatError
-from batchctl.store import format as fmt
+from batchctl.store import codec, zarrmeta
 
 Chunk = tuple[int, int]  # (offset, nbytes) of one encoded chunk in its shard
 
@@ -25,7 +25,9 @@ Chunk = tuple[int, int]  # (offset, nbytes) of one encoded chunk in its shard
 class OpenShard:
     """One array's shard being filled: `append` a batch, `finish` with the index."""
 
-    def __init__(self, files: fmt.DatasetFiles, arr: fmt.ArrayMeta, shard_index: int, chunks: list[Chunk]) -> None:
+    def __init__(
+        self, files: zarrmeta.DatasetFiles, arr: zarrmeta.ArrayMeta, shard_index: int, chunks: list[Chunk]
+    ) -> None:
         self.files = files
         self.key = arr.shard_key(shard_index)
         self.chunks = list(chunks)  # already there (resumed), in order
@@ -60,7 +62,7 @@ class OpenShard:
 
     def finish(self, shard_batches: int) -> None:
         """Write the index (local: then fsync and close; remote: the whole shard in one PUT)."""
-        index = fmt.shard_index_bytes(self.chunks, shard_batches)
+        index = codec.shard_index_bytes(self.chunks, shard_batches)
         if self.fd is None:
             pieces = [self.remote[offset] for offset in sorted(self.remote)]
             self.files.write(self.key, [*pieces, *index])
@@ -96,7 +98,7 @@ def _pwritev_all(fd: int, pieces: list[Any], offset: int) -> None:
             views[0] = views[0][written:]
 
 
-def read_chunk(arr: fmt.ArrayMeta, shard_index: int, local_root: Path, chunk: Chunk) -> bytes:
+def read_chunk(arr: zarrmeta.ArrayMeta, shard_index: int, local_root: Path, chunk: Chunk) -> bytes:
     """The stored bytes of one chunk of a local shard file (a half-filled batch being resumed)."""
     with open(local_root / arr.shard_key(shard_index), "rb") as file:
         file.seek(chunk[0])
