@@ -44,6 +44,7 @@ from batchctl.records import (
 from batchctl.report import BuildReport, Changes, FileError
 from batchctl.run import staging
 from batchctl.run.lock import BuildLock, LockUnavailable
+from batchctl.run.mpinternals import semaphores_named_after
 from batchctl.run.pipeline import Pipeline, PipelineConfig
 from batchctl.run.processes import (
     leave_if_reimporting_main,
@@ -353,7 +354,8 @@ class _Builder:
                 carry=self.carry,
             ),
         )
-        finished = Pipeline(config, self.progress, self._on_result, self._on_rejected).run(tasks)
+        with semaphores_named_after(os.getpid()):  # what a SIGKILL of the whole group leaves, a later build sweeps
+            finished = Pipeline(config, self.progress, self._on_result, self._on_rejected).run(tasks)
         self.progress.close()
         if finished.samples == 0:
             raise BuildFailed(f"no samples were produced: all {len(discovery.items)} files were skipped", self.report)

@@ -107,13 +107,29 @@ def test_many_files_failing_for_one_reason_are_counted_not_listed(tmp_path: Path
 
 
 API_SCRIPT = """
-import json, sys
+import json, os, signal, sys
+from multiprocessing import process
 import batchctl
 
+def mine(signum, frame):
+    pass
+
+def state():
+    return (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM), sys.unraisablehook,
+            sys.excepthook, dict(os.environ), signal.pthread_sigmask(signal.SIG_BLOCK, []),
+            process.current_process()._config.get("semprefix"))
+
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, mine)
+    signal.signal(signal.SIGTERM, mine)
+    sys.unraisablehook = lambda unraisable: None
+    before = state()
     src, out, report = sys.argv[1:4]
     result = batchctl.build(src, out, strict=True, resize=40, crop=32, sorted=True, option={"draft": False},
                             workers=1, report=report)
+    changed = [name for name, a, b in zip(("SIGINT", "SIGTERM", "unraisablehook", "excepthook", "environ",
+                                           "sigmask", "semprefix"), before, state()) if a != b]
+    print("CHANGED", changed)
     try:
         batchctl.build(src, out, strcit=True)
     except batchctl.UsageError as exc:
@@ -138,6 +154,7 @@ def test_the_python_api_takes_the_cli_options_by_their_names(tmp_path: Path) -> 
     )
     assert done.returncode == 0, done.stderr
     assert '{"status": "complete", "samples": 9}' in done.stdout
+    assert "CHANGED []" in done.stdout  # the caller's handlers, hooks, environment and naming are its own again
     assert "REFUSED build() takes no option strcit; its options are" in done.stdout
     ds = batchctl.open(out)
     assert ds.fields["image"][0] == (32, 32, 3)

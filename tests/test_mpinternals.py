@@ -22,9 +22,9 @@ from batchctl.records import Task, TaskOutput, WorkItem
 from batchctl.run.mpinternals import (
     QuietPool,
     ResultQueue,
-    name_semaphores_after,
     pool_workers,
     reimporting_main,
+    semaphores_named_after,
     shut_down_pool,
 )
 from batchctl.run.processes import mp_context, start_forkserver, sweep_dead_builds
@@ -206,12 +206,14 @@ def test_shut_down_survives_a_dead_worker_handler(monkeypatch: pytest.MonkeyPatc
     assert not any(proc.is_alive() for proc in pool_workers(pool))
 
 
-def test_semaphores_carry_the_builds_pid() -> None:
-    name_semaphores_after(os.getpid())
-    lock = mp_context().Lock()
+def test_semaphores_carry_the_builds_pid_and_then_the_callers_naming_again() -> None:
+    with semaphores_named_after(os.getpid()):
+        lock = mp_context().Lock()
     name = lock._semlock.name  # type: ignore[attr-defined]
     assert name.startswith(f"/batchctl-{os.getpid()}-")
     assert (SHM / f"sem{name.replace('/', '.')}").exists()
+    after = mp_context().Lock()._semlock.name  # type: ignore[attr-defined]
+    assert not after.startswith("/batchctl-")
 
 
 def _write_through_ring(ring: SampleRing, rows: int) -> None:

@@ -40,6 +40,7 @@ import contextlib
 import os
 import sys
 import threading
+from collections.abc import Iterator
 from multiprocessing import forkserver, process, reduction, resource_tracker
 from multiprocessing.pool import TERMINATE, Pool
 from multiprocessing.queues import SimpleQueue
@@ -126,9 +127,20 @@ def free_lock_of_dead(lock: Any) -> None:
             lock.release()
 
 
-def name_semaphores_after(pid: int) -> None:
-    """Semaphores created from now on are named `/batchctl-PID-XXXXXXXX` (`/dev/shm/sem.batchctl-...`)."""
-    process.current_process()._config["semprefix"] = f"/batchctl-{pid}"  # type: ignore[attr-defined]
+@contextlib.contextmanager
+def semaphores_named_after(pid: int) -> Iterator[None]:
+    """Semaphores created in the block are named `/batchctl-PID-XXXXXXXX` (`/dev/shm/sem.batchctl-...`);
+    after it, as before (a program that called `build()` gets its own naming back)."""
+    config = process.current_process()._config  # type: ignore[attr-defined]
+    previous = config.get("semprefix")
+    config["semprefix"] = f"/batchctl-{pid}"
+    try:
+        yield
+    finally:
+        if previous is None:
+            config.pop("semprefix", None)
+        else:
+            config["semprefix"] = previous
 
 
 def main_script_for_children() -> str | None:

@@ -37,7 +37,7 @@ from batchctl.records import (
     Task,
     TaskResult,
 )
-from batchctl.run.mpinternals import name_semaphores_after, pool_workers, shut_down_pool
+from batchctl.run.mpinternals import pool_workers, shut_down_pool
 from batchctl.run.processes import (
     REIMPORTED_MAIN_EXIT,
     REIMPORTED_MAIN_TEXT,
@@ -91,7 +91,6 @@ class Pipeline:
         self.on_result = on_result
         self.on_rejected = on_rejected
         self.ctx = mp_context()
-        name_semaphores_after(os.getpid())  # what a SIGKILL of the whole group leaves, a later build sweeps
         # A SimpleQueue writes in the caller's thread: when a worker's put returns, its samples
         # are in the pipe. (A Queue's feeder thread would still be writing when the worker starts
         # its next file; a worker killed then leaves a torn message and the write lock held.)

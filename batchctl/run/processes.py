@@ -26,6 +26,7 @@ import multiprocessing as mp
 import os
 import re
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from multiprocessing.context import ForkServerContext
@@ -205,11 +206,18 @@ def _stop_signals_handled_by(handler: Callable[[int, Any], None]) -> Iterator[No
             signal.signal(sig, old)
 
 
-def signals_raise() -> contextlib.AbstractContextManager[None]:
+@contextlib.contextmanager
+def signals_raise() -> Iterator[None]:
     """Turn SIGINT and SIGTERM into `Signalled` for the duration (one raised in a finalizer is
-    not reported: `quiet_unraisable_signals`)."""
+    not reported: `quiet_unraisable_signals`); the handlers and the unraisable hook are the
+    caller's again afterwards."""
+    hook = sys.unraisablehook
     quiet_unraisable_signals()
-    return _stop_signals_handled_by(raise_signalled)
+    try:
+        with _stop_signals_handled_by(raise_signalled):
+            yield
+    finally:
+        sys.unraisablehook = hook
 
 
 @contextlib.contextmanager
