@@ -13,9 +13,9 @@ import zarr
 
 import batchctl
 from batchctl.records import Task, TaskOutput, WorkItem
-from batchctl.run.collate import _provenance
 from batchctl.run.processes import mp_context
 from batchctl.run.ring import SampleRing
+from batchctl.run.rows import provenance, runs_of
 from batchctl.run.workers import WorkerSlots
 from batchctl.store import chunkread, format as fmt, metadata, zarrmeta
 
@@ -65,12 +65,12 @@ def test_each_row_is_placed_with_its_file_sample_number_and_label() -> None:
     resumed = Task(2, WorkItem("big.npy", 0, 1, 0), part=(104, 110), skip=3)
     other = Task(3, WorkItem("b.npy", 1, 1, 0))
     parts = [(whole.sent(), 1), (part.sent(), 4), (resumed.sent(), 3), (other.sent(), 1)]
-    index, labels, sources = _provenance(TaskOutput(parts, {"x": np.zeros(9)}))
+    index, labels, sources = provenance(runs_of(TaskOutput(parts, {"x": np.zeros(9)})))
     assert index.tolist() == [0, 100, 101, 102, 103, 107, 108, 109, 0]
     assert labels.tolist() == [2, 0, 0, 0, 0, 0, 0, 0, 1]
     assert sources == ["a.npy"] + ["big.npy"] * 7 + ["b.npy"]
     singles = [(whole.sent(), 1), (other.sent(), 1)]  # a row each: the shortcut
-    index, labels, sources = _provenance(TaskOutput(singles, {"x": np.zeros(2)}))
+    index, labels, sources = provenance(runs_of(TaskOutput(singles, {"x": np.zeros(2)})))
     assert (index.tolist(), labels.tolist(), sources) == ([0, 0], [2, 1], ["a.npy", "b.npy"])
 
 

@@ -25,7 +25,6 @@ from typing import Any
 
 import numpy as np
 
-from batchctl.preprocess import Sample
 from batchctl.records import (
     BatchWritten,
     CarryRun,
@@ -40,12 +39,12 @@ from batchctl.records import (
     Task,
     TaskOutput,
     describe_error,
-    sent_start,
 )
 from batchctl.run import staging
 from batchctl.run.mpinternals import queue_reader
 from batchctl.run.processes import init_child
 from batchctl.run.ring import InRing, SampleRing
+from batchctl.run.rows import check_schema, provenance, runs_of, schema_of
 from batchctl.run.writeplan import Carry, CollatorConfig
 from batchctl.store import chunkread, codec, format as fmt, metadata, shards, storage
 
@@ -56,20 +55,6 @@ SYNC_S = 1.0  # batches are journaled (their shard files fsynced first) at most 
 WRITE_THREADS = 8
 BATCHES_IN_FLIGHT = 6  # batch buffers being encoded or written, at most (memory: a few batches)
 WRITE_SLICE = 2**20  # a big chunk is written in slices of this many bytes, by all writer threads at once
-
-
-def check_schema(schema: metadata.Schema, sample: Sample) -> str | None:
-    """Why `sample` does not fit `schema`, or None when it does."""
-    taken = sorted(set(sample) & set(metadata.RESERVED_FIELDS))
-    if taken:
-        return f"field names {', '.join(taken)} are batchctl's own; rename them in the preprocessor"
-    if set(sample) != set(schema):
-        return f"fields {', '.join(sorted(sample))} differ from the dataset's {', '.join(sorted(schema))}"
-    for name, value in sample.items():
-        got, want = metadata.FieldSpec.of(value), schema[name]
-        if got != want:
-            return f"field {name!r} is {got.shape} {got.dtype}, the dataset's is {want.shape} {want.dtype}"
-    return None
 
 
 @dataclass
@@ -194,7 +179,7 @@ class Collator:
     def add(self, output: TaskOutput) -> None:
         """Copy an output's rows into the batch being filled, writing each batch as it fills up."""
         first_row = {name: column[0] for name, column in output.columns.items()}
-        reason = check_schema(self.schema or {n: metadata.FieldSpec.of(v) for n, v in first_row.items()}, first_row)
+        reason = check_schema(self.schema or schema_of(first_row), first_row)
         if reason:  # (the worker checked that the rows of one output agree with each other)
             for task, rows in output.parts:
                 self.events.put(Rejected(task[1], reason, rows))
@@ -202,7 +187,7 @@ class Collator:
         if self.schema is None:
             self._start(output.columns)
         assert self.layout is not None and self.batch is not None
-        source_index, labels, sources = _provenance(output)
+        source_index, labels, sources = provenance(runs_of(output))
         parts = iter(output.parts)
         (_, relpath, _, size, mtime_ns, part, _), left = next(parts)  # the task whose rows come next, and how many
         done = 0
@@ -374,19 +359,6 @@ class Collator:
             shard.close()
         self.threads.shutdown()
         return Stopped(self.samples)
-
-
-def _provenance(output: TaskOutput) -> tuple[np.ndarray, np.ndarray, list[str]]:
-    """Each row's sample number in its file, label and file: a few array operations per output,
-    not a few per file (tiny files come 256 to an output)."""
-    counts = np.fromiter((rows for _, rows in output.parts), np.int64, len(output.parts))
-    firsts = np.fromiter((sent_start(task) for task, _ in output.parts), np.int64, len(output.parts))
-    labels = np.fromiter((task[2] for task, _ in output.parts), np.int64, len(output.parts))
-    if len(output.parts) == output.rows:  # a row each: the common case of one sample per file
-        return firsts, labels, [task[1] for task, _ in output.parts]
-    starts = np.cumsum(counts) - counts  # each part's first row in the output
-    source_index = np.arange(output.rows) + np.repeat(firsts - starts, counts)
-    return source_index, np.repeat(labels, counts), [task[1] for task, rows in output.parts for _ in range(rows)]
 
 
 def _carried(keys: list[PathKey], pending: dict[PathKey, list[tuple[CarryRun, dict[str, np.ndarray]]]]) -> TaskOutput:

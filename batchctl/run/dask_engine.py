@@ -22,11 +22,10 @@ import zarr
 
 from batchctl.errors import PipelineError, UsageError
 from batchctl.preprocess import Preprocessor, resolve
-from batchctl.records import Finished, Task, TaskResult, sent_start
+from batchctl.records import Finished, Task, TaskResult
 from batchctl.run import staging
-from batchctl.run.collate import check_schema
+from batchctl.run.rows import check_schema, preprocess_task, provenance_columns, runs_of, schema_of
 from batchctl.run.staging import BuildPaths
-from batchctl.run.workers import preprocess_task
 from batchctl.run.writeplan import Carry
 from batchctl.store import chunkread, format as fmt, metadata, storage, zarrmeta
 from batchctl.store.storage import SourceRoot
@@ -105,13 +104,7 @@ def _columns(outputs: list[Any], schema: Mapping[str, metadata.FieldSpec], label
     for name, spec in schema.items():
         parts = [output.columns[name] for output in outputs]
         columns[name] = np.concatenate(parts) if parts else np.empty((0, *spec.shape), spec.dtype)
-    parts_of = [(task, rows) for output in outputs for task, rows in output.parts]
-    columns[metadata.SOURCE] = np.array([t[1] for t, n in parts_of for _ in range(n)], dtype=object)
-    columns[metadata.SOURCE_INDEX] = np.array(
-        [i for t, n in parts_of for i in range(sent_start(t), sent_start(t) + n)], dtype=np.int64
-    )
-    if labelled:
-        columns[metadata.LABEL] = np.array([t[2] for t, n in parts_of for _ in range(n)], dtype=np.int64)
+    columns.update(provenance_columns([run for output in outputs for run in runs_of(output)], labelled))
     return columns
 
 
@@ -303,16 +296,8 @@ class DaskRun:
                 pieces[name].append(reader.rows(name, start, start + run.rows))
         reader.close()
         columns = {name: np.concatenate(parts) for name, parts in pieces.items()}
-        columns[metadata.SOURCE] = np.array(
-            [run.item.relpath for run in carry.runs for _ in range(run.rows)], dtype=object
-        )
-        columns[metadata.SOURCE_INDEX] = np.concatenate(
-            [np.arange(run.index, run.index + run.rows) for run in carry.runs]
-        )
-        if self.job.labelled:
-            columns[metadata.LABEL] = np.concatenate(
-                [np.full(run.rows, run.item.label, np.int64) for run in carry.runs]
-            )
+        runs = [(run.item.relpath, run.index, run.item.label, run.rows) for run in carry.runs]
+        columns.update(provenance_columns(runs, self.job.labelled))
         _store_spill(self.paths.spill_url(-1), self.paths.storage_options, columns)
         files = [[r.item.relpath, r.rows, True, r.item.size, r.item.mtime_ns, r.first] for r in carry.runs]
         line = {"group": -1, "full": False, "rows": len(columns[metadata.SOURCE]), "files": files}
@@ -326,8 +311,8 @@ class DaskRun:
             _, output = preprocess_task(task, self.job.preprocessor, self.job.pp_options, self.job.source)
             if output is not None:
                 first = {name: column[0] for name, column in output.columns.items()}
-                if check_schema({name: metadata.FieldSpec.of(v) for name, v in first.items()}, first) is None:
-                    return {name: metadata.FieldSpec.of(value) for name, value in first.items()}, output.columns
+                if check_schema(schema_of(first), first) is None:
+                    return schema_of(first), output.columns
         raise PipelineError(f"no samples were produced: all {len(tasks)} files were skipped")
 
     def _client(self) -> Any:

@@ -19,16 +19,16 @@ from collections.abc import Iterator, Mapping
 from multiprocessing.context import BaseContext
 from multiprocessing.pool import Pool
 from multiprocessing.queues import SimpleQueue
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from batchctl.preprocess import Preprocessor, resolve
-from batchctl.records import Done, SentTask, Task, TaskOutput, TaskResult, describe_error
+from batchctl.preprocess import resolve
+from batchctl.records import Done, SentTask, Task, TaskOutput
 from batchctl.run.mpinternals import QuietPool
 from batchctl.run.processes import alive, init_child
 from batchctl.run.ring import SampleRing
+from batchctl.run.rows import preprocess_file
 from batchctl.store.storage import SourceRoot
 
 
@@ -186,35 +186,6 @@ class OutputRuns:
 
 def _concatenated(pieces: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     return {name: np.concatenate([piece[name] for piece in pieces]) for name in pieces[0]}
-
-
-def preprocess_file(
-    task: SentTask, preprocessor: Preprocessor, options: Mapping[str, Any], source: SourceRoot
-) -> dict[str, np.ndarray] | str:
-    """One file (or part of one): its rows, less those an interrupted run wrote, or the one-line
-    reason it is skipped."""
-    _, relpath, _, _, _, part, skip = task
-    path: Path | str = relpath
-    try:
-        with source.local_file(relpath) as path:
-            columns = preprocessor.columns(path, options, part)
-    except Exception as exc:  # noqa: BLE001 - any failure of one file is that file's error
-        return describe_error(exc).replace(f" '{path}'", "").replace(str(path), relpath)
-    if skip:
-        columns = {name: column[skip:] for name, column in columns.items()}
-    return columns
-
-
-def preprocess_task(
-    task: Task, preprocessor: Preprocessor, options: Mapping[str, Any], source: SourceRoot
-) -> tuple[TaskResult, TaskOutput | None]:
-    """`preprocess_file` for one Task, as a result and its output (none when it has no rows)."""
-    sent = task.sent()
-    columns = preprocess_file(sent, preprocessor, options, source)
-    if isinstance(columns, str):
-        return TaskResult(task, 0, columns), None
-    rows = len(next(iter(columns.values())))
-    return TaskResult(task, rows), TaskOutput([(sent, rows)], columns) if rows else None
 
 
 class BoundedFeed:
