@@ -21,7 +21,7 @@ from batchctl.synthetic import make_image_folder
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # the tests' S3 server and relay
-from tests.s3server import data_gets, range_bytes, requests_made, start_moto, start_relay  # noqa: E402
+from tests.s3server import data_gets, range_bytes, requests_made, s3_environment, start_moto, start_relay  # noqa: E402
 
 LATENCY_S = 0.020
 PORT = 5391
@@ -30,23 +30,16 @@ PORT = 5391
 def bench_remote(root: Path, results: dict[str, Any], build_cmd: Callable[..., list[str]], images: int = 4096) -> None:
     server = start_moto(PORT, root)
     endpoint = f"http://127.0.0.1:{PORT}"
-    env = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
-    saved = {key: os.environ.get(key) for key in (*env, "AWS_ENDPOINT_URL")}
-    os.environ.update(env, AWS_ENDPOINT_URL=endpoint)
     relays = {latency: start_relay(PORT, latency) for latency in (LATENCY_S, 0.0)}
     try:
-        far = {latency: endpoint for latency, (_, endpoint) in relays.items()}
-        results["remote"] = _measure(root, build_cmd, endpoint, far, images)
+        with s3_environment(AWS_ENDPOINT_URL=endpoint):
+            far = {latency: address for latency, (_, address) in relays.items()}
+            results["remote"] = _measure(root, build_cmd, endpoint, far, images)
     finally:
         for relay, _ in relays.values():
             relay.kill()
         server.terminate()
         server.wait(timeout=10)
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def _measure(

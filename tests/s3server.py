@@ -43,6 +43,24 @@ def start_moto(port: int, workdir: Path) -> subprocess.Popen[bytes]:
 
 
 @contextlib.contextmanager
+def s3_environment(**variables: str) -> Iterator[None]:
+    """Test credentials and a region (and any other `variables`) in os.environ for the block;
+    what was there before is put back after it."""
+    wanted = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    wanted.update(variables)
+    saved = {key: os.environ.get(key) for key in wanted}
+    os.environ.update(wanted)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@contextlib.contextmanager
 def requests_made(endpoint: str) -> Iterator[list[dict[str, Any]]]:
     """The requests the S3 server received inside the block, as it recorded them."""
 

@@ -29,7 +29,7 @@ from batchctl.synthetic import make_image_folder
 from tests.test_build import image_files
 
 from .conftest import PLUGINS, free_port, kill_group, run_cli, start_cli, wait_for, wait_group_gone
-from .s3server import Relay, data_gets, range_bytes, requests_made, start_moto
+from .s3server import Relay, data_gets, range_bytes, requests_made, s3_environment, start_moto
 from .test_incremental import LAYOUT, assert_same_rows, change_files, new_image, rows_by_key
 
 s3fs = pytest.importorskip("s3fs")
@@ -43,18 +43,12 @@ def s3_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A moto S3 server in its own process on a free loopback port; credentials in the environment."""
     port = free_port()
     server = start_moto(port, tmp_path_factory.mktemp("moto"))
-    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
-    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
     try:
-        yield f"http://127.0.0.1:{port}"
+        with s3_environment():
+            yield f"http://127.0.0.1:{port}"
     finally:
         server.terminate()
         server.wait(timeout=10)
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 @pytest.fixture
