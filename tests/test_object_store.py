@@ -417,6 +417,11 @@ def test_two_processes_sharing_a_cache_hold_its_limit_and_a_too_small_one_is_ref
     assert [r.returncode for r in readers] == [0, 0]
     assert 0 < peak <= limit and _cached_bytes(cache) <= limit
 
+    small = batchctl.open(url, cache_dir=cache, cache_limit=ds.stored_batch_bytes() * 3)
+    with pytest.raises(batchctl.UsageError, match="cache_limit") as refused:
+        small.loader(prefetch=8)
+    assert "\n" not in str(refused.value) and "prefetch" in str(refused.value)
+
     torch = pytest.importorskip("torch")
     from batchctl.torch import IterableBatches
 
@@ -425,11 +430,6 @@ def test_two_processes_sharing_a_cache_hold_its_limit_and_a_too_small_one_is_ref
     images = [b["image"] for b in torch.utils.data.DataLoader(stream, batch_size=None, num_workers=2)]
     assert hashlib.sha256(b"".join(i.numpy().tobytes() for i in images)).hexdigest() == first_epoch.hexdigest()
     assert _cached_bytes(cache) <= limit
-
-    small = batchctl.open(url, cache_dir=cache, cache_limit=ds.stored_batch_bytes() * 3)
-    with pytest.raises(batchctl.UsageError, match="cache_limit") as refused:
-        small.loader(prefetch=8)
-    assert "\n" not in str(refused.value) and "prefetch" in str(refused.value)
 
 
 def test_a_deleted_cache_folder_and_a_corrupt_cached_file_are_fetched_again(
