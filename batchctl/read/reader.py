@@ -123,10 +123,6 @@ class Dataset:
         """Batch `index` of one field alone."""
         return self.read_batch(index, fields=[name])[name]
 
-    def read_rows(self, name: str, index: int, rows: list[np.ndarray]) -> None:
-        """Batch `index` of a numeric field, row i into `rows[i]` (see `read_batch`)."""
-        self.read_batch(index, into={name: rows}, fields=[])
-
     def read_batch(
         self, index: int, into: Mapping[str, list[np.ndarray]] | None = None, fields: list[str] | None = None
     ) -> Batch:

@@ -11,10 +11,11 @@ backoff for a bounded time."""
 from __future__ import annotations
 
 import errno
+import functools
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, cast
@@ -175,15 +176,17 @@ class RemoteStore:
         for (reader, rows), where, span in zip(jobs, ranges, held, strict=True):
             # a kept span may have come from the cache: checked, and fetched again, the same way
             got = next(fetched) if span is None else (span, True)
-            self._checked(where, got, lambda data, r=reader, rows=rows: r.decode(chunk, data, rows))
+            self._checked(where, got, functools.partial(reader.decode, chunk, where, rows=rows))
 
     def load_indexes(self, shard: int, readers: list[RemoteChunkReader]) -> None:
         """Shard `shard`'s index of each array not yet known, fetched together."""
         unknown = [reader for reader in readers if shard not in reader.indexes]
         for reader, got in zip(unknown, self.fetch([r.index_range(shard) for r in unknown]), strict=True):
-            self._checked(reader.index_range(shard), got, lambda data, r=reader: r.keep_index(shard, data))
+            self._checked(reader.index_range(shard), got, functools.partial(reader.keep_index, shard))
 
-    def _checked(self, where: Range, got: tuple[bytes, bool], use: Any) -> None:
+    def _checked(self, where: Range, got: tuple[bytes, bool], use: Callable[[bytes], None]) -> None:
+        """`use` the bytes of `where`; those from the local cache once more from the store if
+        they fail their checks there."""
         data, from_cache = got
         try:
             use(data)
@@ -255,12 +258,11 @@ class RemoteChunkReader:
                 self._spans.move_to_end(chunk // self.per_shard)
         return held
 
-    def decode(self, chunk: int, data: bytes, rows: list[np.ndarray]) -> None:
-        """Chunk `chunk` into `rows` (C-contiguous buffers laid end to end) from what
-        `chunk_range` fetched; a small shard's chunks are kept for its other batches."""
+    def decode(self, chunk: int, where: Range, data: bytes, rows: list[np.ndarray]) -> None:
+        """Chunk `chunk` into `rows` (C-contiguous buffers laid end to end) from `data`, the bytes
+        of `where` (its `chunk_range`); a small shard's chunks are kept for its other batches."""
         views = row_views(rows, self.chunk_bytes)
         whole = views[0] if len(views) == 1 else np.empty(self.chunk_bytes, np.uint8)
-        where = self.chunk_range(chunk)
         shard, offset, nbytes = self._chunk_at(chunk)
         with corrupt_data_named(self.arr.name, chunk):
             if len(data) != cast(int, where.end) - where.start:
@@ -274,13 +276,3 @@ class RemoteChunkReader:
                     self._spans.popitem(last=False)
         if len(views) > 1:
             spread(whole, views)
-
-    def read(self, chunk: int) -> np.ndarray:
-        """Chunk `chunk` as an array of the full chunk shape (rows past the end are fill)."""
-        out = np.empty(self.chunk_shape, self.dtype)
-        self.read_rows(chunk, [out])
-        return out
-
-    def read_rows(self, chunk: int, rows: list[np.ndarray]) -> None:
-        """Chunk `chunk` into `rows` (C-contiguous buffers laid end to end, as `ChunkReader.read_rows`)."""
-        self.store.read_chunks(chunk, [(self, rows)])
