@@ -337,6 +337,14 @@ def _same_batches(got: list[dict[str, np.ndarray]], want: list[dict[str, np.ndar
             np.testing.assert_array_equal(a[name], b[name])
 
 
+def _built(tmp_path: Path, bucket: str, name: str, images: int) -> tuple[Path, str]:
+    """A folder of `images` small images, built at s3://BUCKET/NAME.zarr in READ_LAYOUT."""
+    folder, url = tmp_path / "data", f"s3://{bucket}/{name}.zarr"
+    make_image_folder(folder, images, sides=(40, 80))
+    assert run_cli("build", folder, "-o", url, *READ_LAYOUT).returncode == 0
+    return folder, url
+
+
 def _cached_bytes(cache: Path) -> int:
     """What the cache holds on disk: its files, written and being written (the ledger aside)."""
     return sum(f.stat().st_size for f in (cache / "data").iterdir()) if (cache / "data").exists() else 0
@@ -345,9 +353,8 @@ def _cached_bytes(cache: Path) -> int:
 def test_a_cached_epoch_sends_no_data_gets_and_a_rebuild_is_never_served_stale(
     tmp_path: Path, bucket: str, s3_endpoint: str
 ) -> None:
-    folder, url, cache = tmp_path / "data", f"s3://{bucket}/cached.zarr", tmp_path / "cache"
-    make_image_folder(folder, 40, sides=(40, 80))
-    assert run_cli("build", folder, "-o", url, *READ_LAYOUT).returncode == 0
+    folder, url = _built(tmp_path, bucket, "cached", 40)
+    cache = tmp_path / "cache"
     plain = _epoch(batchctl.open(url))
     with requests_made(s3_endpoint) as first:
         _same_batches(_epoch(batchctl.open(url, cache_dir=cache, cache_limit="1GB")), plain)
@@ -390,9 +397,8 @@ print(digest.hexdigest())
 def test_two_processes_sharing_a_cache_hold_its_limit_and_a_too_small_one_is_refused(
     tmp_path: Path, bucket: str, s3_endpoint: str
 ) -> None:
-    folder, url, cache = tmp_path / "data", f"s3://{bucket}/shared.zarr", tmp_path / "cache"
-    make_image_folder(folder, 60, sides=(40, 80))
-    assert run_cli("build", folder, "-o", url, *READ_LAYOUT).returncode == 0
+    _, url = _built(tmp_path, bucket, "shared", 60)
+    cache = tmp_path / "cache"
     ds = batchctl.open(url)
     limit = 6 * ds.stored_batch_bytes()  # about a third of the dataset: evictions all the time
     want = hashlib.sha256()
@@ -435,10 +441,8 @@ def test_two_processes_sharing_a_cache_hold_its_limit_and_a_too_small_one_is_ref
 def test_a_deleted_cache_folder_and_a_corrupt_cached_file_are_fetched_again(
     tmp_path: Path, bucket: str, s3_endpoint: str
 ) -> None:
-    url, cache = f"s3://{bucket}/damage.zarr", tmp_path / "cache"
-    folder = tmp_path / "data"
-    make_image_folder(folder, 96, sides=(40, 80))  # 12 stored batches: 3 groups of mix=4
-    assert run_cli("build", folder, "-o", url, *READ_LAYOUT).returncode == 0
+    _, url = _built(tmp_path, bucket, "damage", 96)  # 12 stored batches: 3 groups of mix=4
+    cache = tmp_path / "cache"
     plain = _epoch(batchctl.open(url))
     got = []
     for i, batch in enumerate(
@@ -470,10 +474,7 @@ def test_reads_ride_out_a_store_restart_and_end_in_one_error_when_it_stays_down(
 ) -> None:
     """The moto server behind a relay on loopback: stopping the relay is, to the reader, the
     store going down (refused and reset connections) while its objects stay."""
-    url = f"s3://{bucket}/flaky.zarr"
-    folder = tmp_path / "data"
-    make_image_folder(folder, 40, sides=(40, 80))
-    assert run_cli("build", folder, "-o", url, *READ_LAYOUT).returncode == 0
+    _, url = _built(tmp_path, bucket, "flaky", 40)
     plain = _epoch(batchctl.open(url))
     relay = Relay(int(s3_endpoint.rsplit(":", 1)[1])).start()
     try:
@@ -501,10 +502,8 @@ def test_reads_ride_out_a_store_restart_and_end_in_one_error_when_it_stays_down(
 
 
 def test_exact_resume_from_a_url(tmp_path: Path, bucket: str, s3_endpoint: str) -> None:
-    url, cache = f"s3://{bucket}/resume.zarr", tmp_path / "cache"
-    folder = tmp_path / "data"
-    make_image_folder(folder, 40, sides=(40, 80))
-    assert run_cli("build", folder, "-o", url, *READ_LAYOUT).returncode == 0
+    _, url = _built(tmp_path, bucket, "resume", 40)
+    cache = tmp_path / "cache"
     whole = _epoch(batchctl.open(url))
     loader = batchctl.open(url, cache_dir=cache, cache_limit="1GB").loader(batch_size=5, mix=4, seed=3)
     first = [batch for _, batch in zip(range(3), loader, strict=False)]
@@ -517,10 +516,7 @@ def test_exact_resume_from_a_url(tmp_path: Path, bucket: str, s3_endpoint: str) 
 def test_a_corrupt_object_is_one_error_naming_its_shard_and_batch(
     tmp_path: Path, bucket: str, s3_endpoint: str
 ) -> None:
-    url = f"s3://{bucket}/corrupt.zarr"
-    folder = tmp_path / "data"
-    make_image_folder(folder, 40, sides=(40, 80))
-    assert run_cli("build", folder, "-o", url, *READ_LAYOUT).returncode == 0
+    _, url = _built(tmp_path, bucket, "corrupt", 40)
     ds = batchctl.open(url)
     reader = ds._fast["image"]
     ds[4]  # loads shard 1's index
