@@ -78,6 +78,7 @@ class RemoteStore:
         self._failing_since: float | None = None  # when the store stopped answering (monotonic)
         self._in_flight: dict[str, Future[bytes]] = {}  # a range one thread fetches, the others wait for
         self._lock = threading.Lock()
+        self._repairing = threading.Lock()
 
     def fetch(self, ranges: list[Range], cached: bool = True) -> list[tuple[bytes, bool]]:
         """Each range's bytes, and whether they came from the cache. The others are fetched
@@ -193,8 +194,19 @@ class RemoteStore:
         except FormatError:
             if not from_cache or self.cache is None:
                 raise
-            self.cache.discard(where.key)  # damaged on local disk: the store's copy is fetched again
-            use(self.fetch([where], cached=False)[0][0])
+            use(self._repaired(where, data))
+
+    def _repaired(self, where: Range, damaged: bytes) -> bytes:
+        """The store's copy of a range whose cached copy is damaged, cached in its place: fetched
+        once, whichever of the threads that read the damaged copy comes first (repairs are rare:
+        one at a time; a later one finds the cache holding other bytes, and takes those)."""
+        assert self.cache is not None
+        with self._repairing:
+            current = self.cache.get(where.key)
+            if current is not None and current != damaged:
+                return current
+            self.cache.discard(where.key)
+            return self.fetch([where], cached=False)[0][0]
 
 
 class RemoteChunkReader:
