@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 import batchctl
-from batchctl.plan import incremental
 from batchctl.read.inspect import verify
 from batchctl.store.journal import Untrusted
+from batchctl.store.record import read_record
 from tests.test_build import image_files
 
 from .conftest import BATCHCTL, PLUGINS, ROOT, kill_group, run_cli, start_cli, wait_for, wait_group_gone
@@ -240,7 +240,7 @@ def test_a_tampered_record_is_never_used(image_folder: Path, built: Path, tmp_pa
         bad = tmp_path / "bad.record"
         bad.write_text(text)
         with pytest.raises(Untrusted):
-            incremental.read_record(str(bad), {}, build_id, "")
+            read_record(str(bad), {}, build_id, "")
         folder = tmp_path / how.replace(" ", "-")
         shutil.copytree(image_folder, folder / "src", copy_function=shutil.copy2)
         result = run_cli("build", folder / "src", "-o", folder / "out.zarr", *SMALL)

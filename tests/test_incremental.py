@@ -174,6 +174,22 @@ def test_checksum_sees_new_content_behind_an_old_mtime(folder: Path, tmp_path: P
     assert_same_rows(rows_by_key(out), rows_by_key(fresh))
 
 
+def test_checksum_keeps_the_rows_of_touched_files_of_the_same_content(folder: Path, tmp_path: Path) -> None:
+    """With --checksum a file whose mtime changed and content did not is unchanged: its rows are
+    kept (they used to be thrown away with a "changed or vanished" note and a whole rebuild)."""
+    out = tmp_path / "data.zarr"
+    build(folder, out, "--checksum")
+    for path in folder.rglob("*.jpg"):
+        os.utime(path, ns=(time.time_ns(), time.time_ns()))
+    shutil.copy(next(folder.rglob("*.jpg")), folder / "cat" / "extra.jpg")
+    report = build(folder, out, "--checksum")
+    assert report["added"]["paths"] == ["cat/extra.jpg"] and report["changed"]["count"] == 0
+    assert report["processed"] == 1 and "starting over" not in report["stderr"], report["stderr"]
+    fresh = tmp_path / "fresh.zarr"
+    build(folder, fresh)
+    assert_same_rows(rows_by_key(out), rows_by_key(fresh))
+
+
 def test_other_options_rebuild_everything_and_say_why(folder: Path, tmp_path: Path) -> None:
     out = tmp_path / "data.zarr"
     build(folder, out)

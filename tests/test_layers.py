@@ -68,8 +68,9 @@ def test_the_shared_records_sit_at_the_bottom() -> None:
 
 # The folders are the layers; a module imports only from its own folder or from a lower layer.
 LAYERS = {
-    "__main__": 4, "batchctl": 4, "cli": 4, "torch": 4,  # entry points
-    "build": 3,  # the public build API: plans a build, runs it, publishes it
+    "__main__": 5, "batchctl": 5, "cli": 5, "torch": 5,  # entry points
+    "build": 4,  # the public build API: plans a build's start, runs an engine, publishes
+    "prepare": 3, "publish": 3,  # the facts a start is planned from and the work folder set up; publishing
     "run": 2, "plan": 2, "read": 2,  # the processes of a build; what to build; reading a dataset
     "preprocess": 1, "store": 1, "progress": 1,  # per-file functions; the on-disk format and storage
     "records": 0, "errors": 0, "report": 0, "version": 0, "synthetic": 0,  # shared types, test data

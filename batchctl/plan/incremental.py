@@ -1,9 +1,9 @@
 """Incremental builds: what changed in SOURCE since the last build, and which rows survive it.
 
-A complete build leaves a record beside OUTPUT (`.NAME.batchctl.record`): its journal's batch
-lines (which file's rows lie in which batch of which shard, with each file's size and mtime),
-the files it skipped, and the dataset's `build_id`, which ties the record to the dataset it
-describes (a record of any other dataset is ignored). The next run compares SOURCE with it:
+A complete dataset holds its record (`batchctl.store.record`): its batches (which file's rows
+lie in which batch of which shard, with each file's size and mtime), the files it skipped, and
+the dataset's `build_id`, which ties the record to the dataset it describes (a record of any
+other dataset is ignored). The next run compares SOURCE with it:
 
 - added and changed files are preprocessed; removed files' rows are dropped;
 - shards holding no row of a changed or removed file are kept whole (their files are linked or
@@ -19,139 +19,13 @@ journaled as finished shards, so an interrupted incremental run resumes like any
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import stat
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass, field, replace
 
 from batchctl.records import CarryRun, PathKey, WorkItem
-from batchctl.store import journal, storage
-from batchctl.store.journal import Untrusted
-from batchctl.store.metadata import DatasetAttrs
-
-RECORD_VERSION = 1
-
-
-@dataclass(frozen=True)
-class Record:
-    """What the last complete build of OUTPUT holds, row by row."""
-
-    build_id: str
-    spec: dict[str, Any]
-    source: str
-    classes: list[str] | None
-    batch_size: int
-    shard_batches: int
-    source_width: int
-    checksum: bool
-    batches: list[dict[str, Any]]  # journal lines ({"batch", "shard", "rows", "files"}, ...), in order
-    skipped: dict[str, list[Any]] = field(default_factory=dict)  # relpath -> [size, mtime_ns, reason, retry]
-    digests: dict[str, str] = field(default_factory=dict)  # relpath -> content hash (--checksum)
-    sha256: str = ""  # of the record's bytes as read (a resumed incremental build checks it again)
-
-    @property
-    def shard_rows(self) -> int:
-        return self.batch_size * self.shard_batches
-
-    def stamps(self) -> dict[str, tuple[int, int]]:
-        """Each file with rows: its (size, mtime_ns) when it was preprocessed."""
-        return {entry[0]: (int(entry[3]), int(entry[4])) for batch in self.batches for entry in batch["files"]}
-
-
-def record_bytes(record: Record) -> bytes:
-    """The record as written beside OUTPUT: a header line, then one line per batch."""
-    header = {
-        "record": RECORD_VERSION,
-        "build_id": record.build_id,
-        "spec": record.spec,
-        "source": record.source,
-        "classes": record.classes,
-        "batch_size": record.batch_size,
-        "shard_batches": record.shard_batches,
-        "source_width": record.source_width,
-        "checksum": record.checksum,
-        "skipped": record.skipped,
-        "digests": record.digests,
-    }
-    lines = [json.dumps(header)] + [json.dumps(_batch_line(batch)) for batch in record.batches]
-    return ("\n".join(lines) + "\n").encode()
-
-
-def _batch_line(batch: Mapping[str, Any]) -> dict[str, Any]:
-    return {"batch": batch["batch"], "shard": batch["shard"], "rows": batch["rows"], "files": batch["files"]}
-
-
-def _read_regular(path: Path) -> bytes:
-    """A regular file's bytes; anything else (a FIFO would block the read for ever) is refused."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
-    with os.fdopen(fd, "rb") as file:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise Untrusted("it is not a regular file")
-        return file.read()
-
-
-def read_record(where: str, storage_options: Mapping[str, Any], build_id: str, sha256: str) -> Record | None:
-    """The record at `where` of the dataset `build_id` whose record hashes to `sha256` (empty:
-    a dataset of an older batchctl, which did not say), or None when there is none. Raises
-    `Untrusted`, saying why, for a record that is not that dataset's or not of batchctl's form."""
-    try:
-        if storage.is_url(where):
-            raw = storage.filesystem(where, storage_options).cat_file(storage.fs_path(where))
-        else:
-            raw = _read_regular(Path(where))
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        raise Untrusted(f"it cannot be read ({exc.strerror or exc})") from None
-    digest = hashlib.sha256(raw).hexdigest()
-    if sha256 and digest != sha256:
-        raise Untrusted("its contents are not those the dataset was published with")
-    try:
-        lines = [json.loads(text) for text in raw.decode().splitlines() if text]
-    except ValueError:
-        raise Untrusted("it is not JSON lines") from None
-    if not lines:
-        raise Untrusted("it is empty")
-    header = journal.check_record_header(lines[0])
-    if header.get("record") != RECORD_VERSION:
-        raise Untrusted(f"it is of version {header.get('record')!r}, not {RECORD_VERSION}")
-    if header["build_id"] != build_id:
-        raise Untrusted("it is the record of another build")
-    batch_size, shard_batches = header["batch_size"], header["shard_batches"]
-    batches = [journal.check_batch(line, batch_size, chunks=False) for line in lines[1:]]
-    journal.check_sequence(batches, batch_size, shard_batches)
-    return Record(
-        build_id=header["build_id"],
-        spec=header["spec"],
-        source=header["source"],
-        classes=header["classes"],
-        batch_size=batch_size,
-        shard_batches=shard_batches,
-        source_width=header["source_width"],
-        checksum=header["checksum"],
-        batches=batches,
-        skipped=header["skipped"],
-        digests=header["digests"],
-        sha256=digest,
-    )
-
-
-def check_fits(record: Record, attrs: DatasetAttrs, source_width: int) -> None:
-    """The record describes `attrs`' dataset row for row: its batch size, shard size, source
-    width and counts (raises `Untrusted`)."""
-    samples = sum(int(batch["rows"]) for batch in record.batches)
-    ours = (record.batch_size, record.shard_batches, record.source_width, samples, len(record.batches))
-    theirs = (attrs.batch_size, attrs.shard_batches, source_width, attrs.num_samples, attrs.num_batches)
-    if ours != theirs:
-        raise Untrusted(
-            "it does not describe the dataset: (batch_size, shard_batches, source_width, samples, batches) "
-            f"{ours} against the dataset's {theirs}"
-        )
+from batchctl.store.journal import BatchLine
+from batchctl.store.record import Record, Skipped
 
 
 @dataclass(frozen=True)
@@ -178,8 +52,8 @@ class Plan:
     changes: Changes
     kept_shards: list[int]
     carry: list[CarryRun]
-    kept_batches: list[dict[str, Any]]  # journal lines of the kept shards, renumbered
-    skipped: dict[str, list[Any]]  # unchanged files the last build skipped: not tried again
+    kept_batches: tuple[BatchLine, ...]  # the batches of the kept shards, renumbered
+    skipped: Mapping[str, Skipped]  # unchanged files the last build skipped: not tried again
     open_tail: bool = False  # the last of `kept_shards` is the short last shard, kept open for new rows
 
     @property
@@ -189,7 +63,7 @@ class Plan:
 
     @property
     def kept_samples(self) -> int:
-        return sum(int(batch["rows"]) for batch in self.kept_batches)
+        return sum(batch.rows for batch in self.kept_batches)
 
     @property
     def preprocess(self) -> set[str]:
@@ -202,9 +76,9 @@ def compare(
     """What changed, and the set of files whose rows (or skip) the last build's record still vouches for."""
     current = {item.relpath: item for item in items}
     known = record.stamps()
-    for relpath, (size, mtime_ns, _, retry) in record.skipped.items():
-        if not retry:
-            known.setdefault(relpath, (int(size), int(mtime_ns)))
+    for relpath, skipped in record.skipped.items():
+        if not skipped.retry:
+            known.setdefault(relpath, (skipped.size, skipped.mtime_ns))
     added, changed, unchanged = [], [], set()
     for relpath, item in current.items():
         stamp = known.get(relpath)
@@ -214,7 +88,7 @@ def compare(
             unchanged.add(relpath)
         else:
             changed.append(relpath)
-    retried = [relpath for relpath, entry in record.skipped.items() if entry[3] and relpath in current]
+    retried = [relpath for relpath, skipped in record.skipped.items() if skipped.retry and relpath in current]
     again = [relpath for relpath in retried if relpath not in known]
     added = [relpath for relpath in added if relpath not in retried]
     removed = [relpath for relpath in known if relpath not in current]
@@ -243,14 +117,13 @@ def plan(record: Record, items: list[WorkItem], digests: Mapping[str, str], chec
     shards_of: dict[PathKey, set[int]] = defaultdict(set)
     rows_in: dict[int, int] = defaultdict(int)
     for batch in record.batches:
-        shard, position = int(batch["shard"]), (int(batch["batch"]) * batch_size) % shard_rows
-        rows_in[shard] += int(batch["rows"])
-        for relpath, rows, _, _, _, first in batch["files"]:
-            key = (relpath, int(first))
-            runs.append((shard, position, int(rows), relpath, int(first), int(first) + seen[key]))
-            seen[key] += int(rows)
-            shards_of[key].add(shard)
-            position += int(rows)
+        shard, position = batch.shard, (batch.batch * batch_size) % shard_rows
+        rows_in[shard] += batch.rows
+        for run in batch.files:
+            runs.append((shard, position, run.rows, run.source, run.first, run.first + seen[run.key]))
+            seen[run.key] += run.rows
+            shards_of[run.key].add(shard)
+            position += run.rows
     last = max(rows_in, default=-1)
     short = last >= 0 and rows_in[last] < shard_rows
     dirty = _spread({shard for shard, relpath in ((r[0], r[3]) for r in runs) if relpath not in unchanged}, shards_of)
@@ -259,11 +132,15 @@ def plan(record: Record, items: list[WorkItem], digests: Mapping[str, str], chec
     kept = [shard for shard in sorted(rows_in) if shard not in dirty]
     open_tail = short and last not in dirty
     new_index = {old: new for new, old in enumerate(kept)}
-    kept_batches = []
-    for batch in record.batches:
-        if int(batch["shard"]) in new_index:
-            number = new_index[int(batch["shard"])] * record.shard_batches + int(batch["batch"]) % record.shard_batches
-            kept_batches.append({**_batch_line(batch), "batch": number, "shard": new_index[int(batch["shard"])]})
+    kept_batches = tuple(
+        replace(
+            batch,
+            batch=new_index[batch.shard] * record.shard_batches + batch.batch % record.shard_batches,
+            shard=new_index[batch.shard],
+        )
+        for batch in record.batches
+        if batch.shard in new_index
+    )
     carry = [
         CarryRun(shard, start, rows, current[relpath], first, index)
         for shard, start, rows, relpath, first, index in sorted(runs)

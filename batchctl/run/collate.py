@@ -17,7 +17,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import groupby
 from multiprocessing.connection import Connection, wait
 from multiprocessing.queues import Queue, SimpleQueue
@@ -47,6 +47,7 @@ from batchctl.run.ring import InRing, SampleRing
 from batchctl.run.rows import check_schema, provenance, runs_of, schema_of
 from batchctl.run.writeplan import Carry, CollatorConfig
 from batchctl.store import chunkread, codec, format as fmt, metadata, shards, storage
+from batchctl.store.journal import BatchLine, Chunk, FileRun, Line, ShardDone
 
 SYNC_S = 1.0  # batches are journaled (their shard files fsynced first) at most this long after being written
 # Threads that encode and write batches (zstd, blosc, crc32c and pwritev release the GIL). The
@@ -62,10 +63,11 @@ class _InFlight:
     """A full batch handed to the writer threads: encoded, then placed in its shard (in batch
     order) and written; journaled once it and every batch before it are written and fsynced."""
 
-    line: dict[str, Any]  # its journal line, chunks filled in when placed
+    line: BatchLine  # its journal line, without its chunks' places until it is placed
     encoding: Future[dict[str, list[Any]]]
     buffers: dict[str, np.ndarray]
     writing: list[Future[None]] | None = None
+    chunks: dict[str, Chunk] = field(default_factory=dict)  # filled in when placed
 
 
 @dataclass
@@ -74,7 +76,7 @@ class _Batch:
 
     columns: dict[str, np.ndarray]
     sources: list[str] = field(default_factory=list)
-    entries: list[list[Any]] = field(default_factory=list)
+    entries: list[FileRun] = field(default_factory=list)
 
     @property
     def rows(self) -> int:
@@ -94,10 +96,10 @@ class Collator:
         self.encoders: dict[str, codec.ChunkEncoder] = {}
         self.batch: _Batch | None = None
         self.next_batch = len(config.resume.batches)  # the number of the batch being filled
-        self.samples = sum(int(batch["rows"]) for batch in config.resume.batches)
+        self.samples = sum(batch.rows for batch in config.resume.batches)
         self.open: dict[str, shards.OpenShard] = {}
         self.open_index = -1  # the shard being filled, or -1
-        self.unjournaled: list[dict[str, Any]] = []
+        self.unjournaled: list[Line] = []
         self.in_flight: deque[_InFlight] = deque()
         self.spare: list[dict[str, np.ndarray]] = []  # batch buffers free to be filled again
         self.threads = ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="batchctl-write")
@@ -118,24 +120,23 @@ class Collator:
         resume = self.config.resume
         if resume.partial is not None:
             self._reload(resume.partial)  # before its shard file is cut short
-        unfinished = [batch for batch in resume.batches if batch["shard"] >= resume.done_shards]
+        unfinished = resume.open_batches
         if unfinished:
-            chunks = {name: [_chunk(batch, name) for batch in unfinished] for name in self.arrays}
-            self._open_shards(unfinished[0]["shard"], chunks)
+            chunks = {name: [batch.chunks[name] for batch in unfinished] for name in self.arrays}
+            self._open_shards(unfinished[0].shard, chunks)
             if len(unfinished) == self._shard_batches():  # full, but its index was not written
                 self._close_shards()
 
-    def _reload(self, partial: dict[str, Any]) -> None:
+    def _reload(self, partial: BatchLine) -> None:
         assert self.local_root is not None and self.batch is not None
-        shard = partial["shard"]
         for name, arr in self.arrays.items():
-            stored = shards.read_chunk(arr, shard, self.local_root, tuple(partial["chunks"][name]))
-            rows = self.encoders[name].decode(stored)[: partial["rows"]]
+            stored = shards.read_chunk(arr, partial.shard, self.local_root, partial.chunks[name])
+            rows = self.encoders[name].decode(stored)[: partial.rows]
             if name == metadata.SOURCE:
                 self.batch.sources = fmt.decode_sources(rows).tolist()
             else:
                 self.batch.columns[name][: len(rows)] = rows
-        self.batch.entries = [list(entry) for entry in partial["files"]]
+        self.batch.entries = list(partial.files)
 
     def _layout(self, layout: metadata.Layout) -> None:
         self.layout = layout
@@ -204,7 +205,7 @@ class Collator:
             while take:  # journal what of each task this batch holds
                 placed = min(left, take)
                 take, left = take - placed, left - placed
-                batch.entries.append([relpath, placed, left == 0, size, mtime_ns, part[0] if part else 0])
+                batch.entries.append(FileRun(relpath, placed, left == 0, size, mtime_ns, part[0] if part else 0))
                 if left == 0 and (take or done < output.rows):  # more rows follow: the next task's
                     (_, relpath, _, size, mtime_ns, part, _), left = next(parts)
             if batch.rows == self.layout.batch_size:
@@ -258,7 +259,7 @@ class Collator:
             self._open_shards(self.next_batch // self._shard_batches(), {})
         columns = {name: batch.columns[name][:rows] for name in self.arrays if name != metadata.SOURCE}
         columns[metadata.SOURCE] = fmt.stored_column(self.arrays[metadata.SOURCE], metadata.SOURCE, batch.sources)
-        line = {"batch": self.next_batch, "shard": self.open_index, "rows": rows, "chunks": {}, "files": batch.entries}
+        line = BatchLine(self.next_batch, self.open_index, rows, tuple(batch.entries))
         self.in_flight.append(_InFlight(line, self.threads.submit(self._encode, columns), batch.columns))
         self.samples += rows
         self.next_batch += 1
@@ -282,7 +283,7 @@ class Collator:
             for name, chunk_pieces in pieces.items():
                 shard = self.open[name]
                 offset, nbytes = shard.reserve(sum(len(piece) for piece in chunk_pieces))
-                item.line["chunks"][name] = [offset, nbytes]
+                item.chunks[name] = (offset, nbytes)
                 for start, data in _slices(chunk_pieces, offset):
                     item.writing.append(self.threads.submit(shard.write, start, data))
         while self.in_flight and self.in_flight[0].writing is not None:
@@ -293,8 +294,8 @@ class Collator:
                 future.result()  # re-raises a failed write here
             self.in_flight.popleft()
             self.spare.append(oldest.buffers)
-            self.unjournaled.append(oldest.line)
-            self.events.put(BatchWritten(oldest.line["rows"]))
+            self.unjournaled.append(replace(oldest.line, chunks=oldest.chunks))
+            self.events.put(BatchWritten(oldest.line.rows))
             block = False
 
     def _settle(self) -> None:
@@ -302,7 +303,7 @@ class Collator:
         while self.in_flight:
             self._advance(block=True)
 
-    def _open_shards(self, shard: int, chunks: dict[str, list[shards.Chunk]]) -> None:
+    def _open_shards(self, shard: int, chunks: dict[str, list[Chunk]]) -> None:
         self.open_index = shard
         self.open = {
             name: shards.OpenShard(self.files, arr, shard, chunks.get(name, [])) for name, arr in self.arrays.items()
@@ -324,7 +325,7 @@ class Collator:
         for open_shard in self.open.values():
             open_shard.finish(self._shard_batches())
         self.open = {}
-        self.unjournaled.append({"shard_done": self.open_index})
+        self.unjournaled.append(ShardDone(self.open_index))
         self._journal()
 
     def _journal(self) -> None:
@@ -412,11 +413,6 @@ def _drain(inbox: SimpleQueue[Any], reader: Connection, collator: Collator, ring
         if isinstance(message, End):
             return
         _collate(message, collator, ring)
-
-
-def _chunk(batch: dict[str, Any], name: str) -> shards.Chunk:
-    offset, nbytes = batch["chunks"][name]
-    return int(offset), int(nbytes)
 
 
 def run_collator(

@@ -14,7 +14,7 @@ from __future__ import annotations
 import io
 import os
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -22,12 +22,15 @@ import zarr
 
 from batchctl.errors import PipelineError, UsageError
 from batchctl.preprocess import Preprocessor, resolve
-from batchctl.records import Finished, Task, TaskResult
+from batchctl.progress import Progress
+from batchctl.records import Finished, Task, TaskResult, WorkItem
 from batchctl.run import staging
 from batchctl.run.rows import check_schema, preprocess_task, provenance_columns, runs_of, schema_of
 from batchctl.run.staging import BuildPaths
+from batchctl.run.tally import Tally
 from batchctl.run.writeplan import Carry
 from batchctl.store import chunkread, format as fmt, metadata, storage, zarrmeta
+from batchctl.store.journal import BatchLine, FileRun, GroupLine
 from batchctl.store.storage import SourceRoot
 
 
@@ -185,10 +188,10 @@ class DaskJob:
     scheduler: str | None
     labelled: bool
     source_bytes: int
-    on_result: Callable[[TaskResult], None]
-    on_batches: Callable[[int], None]
+    tally: Tally
+    progress: Progress
     base: int = 0
-    kept_groups: list[dict[str, Any]] = field(default_factory=list)
+    kept_groups: tuple[GroupLine, ...] = ()
     carry: Carry | None = None
 
 
@@ -250,14 +253,14 @@ class DaskRun:
         self, tasks: list[Task], schema: dict[str, metadata.FieldSpec], rows: dict[str, np.ndarray], client: Any
     ) -> Finished:
         arrays, layout = self._arrays(tasks, schema, rows, client)
-        first = max((int(line["group"]) for line in self.job.kept_groups), default=-1) + 1
+        first = max((line.group for line in self.job.kept_groups), default=-1) + 1
         groups = plan_groups(tasks, layout.shard_rows, _expected_rows)
         for name, arr in arrays.items():  # sized for every group's shard up front: tasks write no metadata
             arrays[name] = arr.resized((self.job.base + first + len(groups)) * layout.shard_rows)
             self.files.write_array(arrays[name])
         if not self.paths.remote:
             os.makedirs(os.path.dirname(self.paths.spill_url(0)), exist_ok=True)
-        done = list(self.job.kept_groups)
+        done: list[GroupLine] = list(self.job.kept_groups)
         if self.job.carry is not None and self.job.carry.runs:
             done.append(self._write_carry(self.job.carry, schema))
         specs = [
@@ -285,7 +288,7 @@ class DaskRun:
     def _shard_of(self, group: int) -> int:
         return self.job.base + group
 
-    def _write_carry(self, carry: Carry, schema: Mapping[str, metadata.FieldSpec]) -> dict[str, Any]:
+    def _write_carry(self, carry: Carry, schema: Mapping[str, metadata.FieldSpec]) -> GroupLine:
         """The rows carried over from the last build, as one spill (group -1), journaled."""
         old = zarr.open_group(carry.url, mode="r", **storage.zarr_options(carry.url, carry.storage_options))
         reader = chunkread.RowReader(carry.url, {n: a for n, a in old.arrays() if n in schema})
@@ -299,8 +302,8 @@ class DaskRun:
         runs = [(run.item.relpath, run.index, run.item.label, run.rows) for run in carry.runs]
         columns.update(provenance_columns(runs, self.job.labelled))
         _store_spill(self.paths.spill_url(-1), self.paths.storage_options, columns)
-        files = [[r.item.relpath, r.rows, True, r.item.size, r.item.mtime_ns, r.first] for r in carry.runs]
-        line = {"group": -1, "full": False, "rows": len(columns[metadata.SOURCE]), "files": files}
+        files = tuple(FileRun(r.item.relpath, r.rows, True, r.item.size, r.item.mtime_ns, r.first) for r in carry.runs)
+        line = GroupLine(-1, False, len(columns[metadata.SOURCE]), files)
         self.work.append_group(line)
         return line
 
@@ -325,7 +328,7 @@ class DaskRun:
         cluster = LocalCluster(n_workers=self.job.workers, threads_per_worker=1, processes=True, dashboard_address=None)
         return Client(cluster), cluster
 
-    def _submit(self, client: Any, specs: list[GroupSpec], layout: metadata.Layout) -> list[dict[str, Any]]:
+    def _submit(self, client: Any, specs: list[GroupSpec], layout: metadata.Layout) -> list[GroupLine]:
         """Run the groups; each one's journal line once it is done (its shard or spill is written)."""
         from distributed import as_completed
 
@@ -336,29 +339,28 @@ class DaskRun:
             for future in as_completed(futures):
                 result: GroupResult = future.result()
                 self.workers_seen.add(f"{result.host}:{result.pid}")
-                files = [
-                    [r.task.item.relpath, r.samples, True, r.task.item.size, r.task.item.mtime_ns, r.task.first]
+                files = tuple(
+                    FileRun(r.task.item.relpath, r.samples, True, r.task.item.size, r.task.item.mtime_ns, r.task.first)
                     for r in result.results
                     if r.samples
-                ]
-                line = {"group": result.index, "full": result.full, "rows": result.rows, "files": files}
+                )
+                line = GroupLine(result.index, result.full, result.rows, files)
                 self.work.append_group(line)
                 lines.append(line)
                 for task_result in result.results:
-                    self.job.on_result(task_result)
+                    self.job.tally.result(task_result)
+                    self.job.progress.files_done()
                 if result.full:
-                    self.job.on_batches(layout.shard_batches)
+                    self.job.progress.batches_written(layout.shard_batches)
             return lines
         finally:
             client.cancel(futures)
 
-    def _compact(
-        self, arrays: dict[str, zarrmeta.ArrayMeta], layout: metadata.Layout, done: list[dict[str, Any]]
-    ) -> int:
+    def _compact(self, arrays: dict[str, zarrmeta.ArrayMeta], layout: metadata.Layout, done: list[GroupLine]) -> int:
         """Make the shards contiguous; the dataset's number of samples."""
-        full = list(range(self.job.base)) + sorted(self._shard_of(int(g["group"])) for g in done if g["full"])
-        spilled = sorted((g for g in done if not g["full"] and g["rows"]), key=lambda g: int(g["group"]))
-        plan = plan_compaction(full, sum(int(g["rows"]) for g in spilled), layout.shard_rows)
+        full = list(range(self.job.base)) + sorted(self._shard_of(g.group) for g in done if g.full)
+        spilled = sorted((g for g in done if not g.full and g.rows), key=lambda g: g.group)
+        plan = plan_compaction(full, sum(g.rows for g in spilled), layout.shard_rows)
         for source, target in plan.moves:
             move_shard(self.paths, arrays, source, target)
         for name, arr in arrays.items():
@@ -367,7 +369,7 @@ class DaskRun:
         fmt.remove_shards_from(
             self.files, arrays, -(-plan.total_rows // layout.shard_rows)
         )  # a longer previous build's shards past the end
-        spills = [read_spill(self.paths.spill_url(int(g["group"])), self.paths.storage_options) for g in spilled]
+        spills = [read_spill(self.paths.spill_url(g.group), self.paths.storage_options) for g in spilled]
         for index, columns in zip(plan.spill_shards, spill_rows(spills, layout.shard_rows), strict=True):
             fmt.write_shard_at(self.files, arrays, layout, index, columns)
         return plan.total_rows
@@ -375,3 +377,28 @@ class DaskRun:
 
 def _expected_rows(task: Task) -> int:
     return task.part[1] - task.part[0] - task.skip if task.part else 1
+
+
+def batches_from_columns(paths: BuildPaths, batch_size: int, stamps: Mapping[str, WorkItem]) -> list[BatchLine]:
+    """The batches of a Dask build's staging dataset, for its record: the client moved rows
+    about, so they are read from its `source` and `source_index` columns (one file run per run of
+    consecutive samples of one file within a batch)."""
+    group = zarr.open_group(paths.staging_url, mode="r", **paths.zarr_kwargs())
+    arrays = dict(group.arrays())
+    sources = fmt.decode_sources(np.asarray(arrays[metadata.SOURCE][:])).tolist()
+    indices = np.asarray(arrays[metadata.SOURCE_INDEX][:]).tolist()
+    shard_rows = paths.staging_files.arrays()[metadata.SOURCE].grid[0]
+    batches = []
+    for number, start in enumerate(range(0, len(sources), batch_size)):
+        runs: list[FileRun] = []
+        end = start + batch_size
+        for relpath, index in zip(sources[start:end], indices[start:end], strict=True):
+            last = runs[-1] if runs else None
+            if last is not None and last.source == relpath and last.first + last.rows == index:
+                runs[-1] = last._replace(rows=last.rows + 1)
+            else:
+                item = stamps[relpath]
+                runs.append(FileRun(relpath, 1, True, item.size, item.mtime_ns, index))
+        rows = min(batch_size, len(sources) - start)
+        batches.append(BatchLine(number, start // shard_rows, rows, tuple(runs)))
+    return batches

@@ -17,7 +17,7 @@ import os
 import queue
 import signal
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +48,7 @@ from batchctl.run.processes import (
 )
 from batchctl.run.ring import SampleRing
 from batchctl.run.staging import BuildPaths
+from batchctl.run.tally import Tally
 from batchctl.run.workers import BoundedFeed, WorkerSlots, chunked, run_chunk, start_pool
 from batchctl.run.writeplan import CollatorConfig
 from batchctl.store.storage import SourceRoot
@@ -77,19 +78,12 @@ class PipelineConfig:
 
 
 class Pipeline:
-    """One run of pool + collator over a list of tasks; callbacks receive results and events."""
+    """One run of pool + collator over a list of tasks; the tally counts results and errors."""
 
-    def __init__(
-        self,
-        config: PipelineConfig,
-        progress: Progress,
-        on_result: Callable[[TaskResult], None],
-        on_rejected: Callable[[Rejected], None],
-    ) -> None:
+    def __init__(self, config: PipelineConfig, progress: Progress, tally: Tally) -> None:
         self.config = config
         self.progress = progress
-        self.on_result = on_result
-        self.on_rejected = on_rejected
+        self.tally = tally
         self.ctx = mp_context()
         # A SimpleQueue writes in the caller's thread: when a worker's put returns, its samples
         # are in the pipe. (A Queue's feeder thread would still be writing when the worker starts
@@ -174,11 +168,11 @@ class Pipeline:
         ]
         self.progress.files_done(len(results))
         for result in results:
-            self.on_result(result)
+            self.tally.result(result)
 
     def _done(self, result: TaskResult) -> None:
         self.progress.files_done()
-        self.on_result(result)
+        self.tally.result(result)
 
     def _next_results(self, results: Any) -> list[Done] | None:
         """The results of the next chunk, or None after a lost task was accounted for instead."""
@@ -246,7 +240,7 @@ class Pipeline:
             if isinstance(event, BatchWritten):
                 self.progress.batches_written(1)
             elif isinstance(event, Rejected):
-                self.on_rejected(event)
+                self.tally.rejected(event)
             elif isinstance(event, Crashed):
                 raise PipelineError(event.message)
             elif isinstance(event, (Finished, Stopped)):

@@ -7,8 +7,8 @@ so it travels with the dataset and is published with it.
 Only a complete dataset is moved to OUTPUT, by one atomic rename (an atomic exchange when an
 older dataset is there), so readers see the old dataset or the new one, never a half-built one.
 An object store has neither rename nor append: `RemoteWorkdir` writes the dataset in place and
-journals whole objects. Both sit behind one interface, `Workdir`; the journal's meaning
-(`resolve_journal`) is the same for both.
+journals whole objects. Both sit behind one interface, `Workdir`; the journal's lines and their
+meaning (`batchctl.store.journal`) are the same for both.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import os
 import shutil
 import stat
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -158,28 +158,41 @@ class Workdir(ABC):
     def discard(self) -> None: ...
 
     @abstractmethod
-    def write_state(self, state: dict[str, Any]) -> None: ...
+    def write_state(self, state: journal.State) -> None: ...
+
+    def read_state(self) -> journal.State | None:
+        raw = self._state_bytes()
+        if raw is None:
+            return None
+        try:
+            return journal.parse_state(json.loads(raw))
+        except ValueError as exc:  # Untrusted is one
+            reason = str(exc) if isinstance(exc, Untrusted) else "it is not JSON"
+            raise Untrusted(f"state.json: {reason}") from None
 
     @abstractmethod
-    def read_state(self) -> dict[str, Any] | None: ...
+    def _state_bytes(self) -> bytes | None: ...
+
+    def read_journal(self, batch_size: int) -> list[journal.Line]:
+        """The journal's lines, in order, up to a torn one: one per batch written, one per shard
+        finished, one per Dask group finished (`Untrusted` for one not of batchctl's form)."""
+        return journal.parse_lines(self._journal_values(), batch_size)
 
     @abstractmethod
-    def read_journal(self) -> list[dict[str, Any]]:
-        """The journal's lines, in order, up to a torn one: one per batch written
-        (`{"batch", "shard", "rows", "chunks", "files"}`), one per shard finished
-        (`{"shard_done"}`), one per Dask group finished (`{"group", "full", "rows", "files"}`)."""
+    def _journal_values(self) -> list[Any]:
+        """The journal's lines as JSON values, up to a torn one."""
 
     @abstractmethod
-    def append_journal(self, lines: list[dict[str, Any]]) -> None:
+    def append_journal(self, lines: Sequence[journal.Line]) -> None:
         """Append lines durably (on an object store, whole shards only: `lines` end with the
-        shard's `shard_done`)."""
+        shard's `ShardDone`)."""
 
     @abstractmethod
-    def append_group(self, line: dict[str, Any]) -> None:
+    def append_group(self, line: journal.GroupLine) -> None:
         """Journal one finished Dask group."""
 
     @abstractmethod
-    def rewrite_journal(self, lines: list[dict[str, Any]]) -> None:
+    def rewrite_journal(self, lines: Sequence[journal.Line]) -> None:
         """Keep only `lines` (what a resumed build trusts)."""
 
     @abstractmethod
@@ -251,48 +264,47 @@ class LocalWorkdir(Workdir):
     def discard(self) -> None:
         shutil.rmtree(self.paths.workdir, ignore_errors=True)
 
-    def write_state(self, state: dict[str, Any]) -> None:
+    def write_state(self, state: journal.State) -> None:
         tmp = self.paths.state.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state, indent=2, sort_keys=True), encoding="utf-8")
+        tmp.write_text(json.dumps(state.to_json(), indent=2, sort_keys=True), encoding="utf-8")
         os.replace(tmp, self.paths.state)
 
-    def read_state(self) -> dict[str, Any] | None:
+    def _state_bytes(self) -> bytes | None:
         try:
-            raw = self.paths.state.read_bytes()
+            return self.paths.state.read_bytes()
         except FileNotFoundError:
             return None
-        return _parse_state(raw)
 
-    def read_journal(self) -> list[dict[str, Any]]:
+    def _journal_values(self) -> list[Any]:
         try:
             texts = self.paths.journal.read_bytes().splitlines()
         except FileNotFoundError:
             return []
-        lines: list[dict[str, Any]] = []
+        values: list[Any] = []
         for number, text in enumerate(texts, 1):
             try:
-                lines.append(json.loads(text))
+                values.append(json.loads(text))
             except ValueError:
                 if number == len(texts):  # the line a kill cut short
                     break
                 raise Untrusted(f"journal line {number} is not JSON") from None
-        return lines
+        return values
 
-    def append_journal(self, lines: list[dict[str, Any]]) -> None:
+    def append_journal(self, lines: Sequence[journal.Line]) -> None:
         if lines:
             self._write_lines(lines, "a")
 
-    def append_group(self, line: dict[str, Any]) -> None:
+    def append_group(self, line: journal.GroupLine) -> None:
         self._write_lines([line], "a")
 
-    def rewrite_journal(self, lines: list[dict[str, Any]]) -> None:
+    def rewrite_journal(self, lines: Sequence[journal.Line]) -> None:
         self._write_lines(lines, "w")
 
-    def _write_lines(self, lines: list[dict[str, Any]], mode: str) -> None:
-        with open(self.paths.journal, mode, encoding="utf-8") as journal:
-            journal.writelines(json.dumps(line) + "\n" for line in lines)
-            journal.flush()
-            os.fsync(journal.fileno())
+    def _write_lines(self, lines: Sequence[journal.Line], mode: str) -> None:
+        with open(self.paths.journal, mode, encoding="utf-8") as file:
+            file.writelines(json.dumps(journal.to_json(line)) + "\n" for line in lines)
+            file.flush()
+            os.fsync(file.fileno())
 
     def publish(self, record: bytes, build_id: str, mark_complete: Callable[[], None]) -> None:
         """Deleting the old dataset afterwards may be interrupted freely."""
@@ -383,18 +395,17 @@ class RemoteWorkdir(Workdir):
     def _state_key(self) -> str:
         return self._work_key("state.json")
 
-    def write_state(self, state: dict[str, Any]) -> None:
-        self.fs.pipe_file(self._state_key(), json.dumps(state).encode())
+    def write_state(self, state: journal.State) -> None:
+        self.fs.pipe_file(self._state_key(), json.dumps(state.to_json()).encode())
 
-    def read_state(self) -> dict[str, Any] | None:
+    def _state_bytes(self) -> bytes | None:
         try:
-            raw = self.fs.cat_file(self._state_key())
+            return bytes(self.fs.cat_file(self._state_key()))
         except FileNotFoundError:
             return None
-        return _parse_state(raw)
 
-    def read_journal(self) -> list[dict[str, Any]]:
-        lines: list[dict[str, Any]] = []
+    def _journal_values(self) -> list[Any]:
+        values: list[Any] = []
         for name in self._journal_objects():
             try:
                 found = json.loads(self.fs.cat_file(name))
@@ -404,8 +415,8 @@ class RemoteWorkdir(Workdir):
                 raise Untrusted(f"journal object {name} is not JSON") from None
             if not isinstance(found, list):
                 raise Untrusted(f"journal object {name} is not a list of lines")
-            lines += found
-        return lines
+            values += found
+        return values
 
     def _journal_objects(self) -> list[str]:
         where = storage.fs_path(self.paths.journal_url)
@@ -419,16 +430,18 @@ class RemoteWorkdir(Workdir):
         """Named to sort after the shards' objects (the carry's group is -1)."""
         return storage.fs_path(f"{self.paths.journal_url}/g{group + 1:08d}.json")
 
-    def append_journal(self, lines: list[dict[str, Any]]) -> None:
+    def append_journal(self, lines: Sequence[journal.Line]) -> None:
         if lines:
-            self.fs.pipe_file(self._shard_key(lines[-1]["shard_done"]), json.dumps(lines).encode())
+            last = lines[-1]
+            assert isinstance(last, journal.ShardDone), "an object store journals whole shards"
+            self.fs.pipe_file(self._shard_key(last.shard), _json_lines(lines))
 
-    def append_group(self, line: dict[str, Any]) -> None:
-        self.fs.pipe_file(self._group_key(line["group"]), json.dumps([line]).encode())
+    def append_group(self, line: journal.GroupLine) -> None:
+        self.fs.pipe_file(self._group_key(line.group), _json_lines([line]))
 
-    def rewrite_journal(self, lines: list[dict[str, Any]]) -> None:
-        keep = {self._shard_key(line["shard_done"]) for line in lines if "shard_done" in line}
-        keep |= {self._group_key(line["group"]) for line in lines if "group" in line}
+    def rewrite_journal(self, lines: Sequence[journal.Line]) -> None:
+        keep = {self._shard_key(line.shard) for line in lines if isinstance(line, journal.ShardDone)}
+        keep |= {self._group_key(line.group) for line in lines if isinstance(line, journal.GroupLine)}
         stale = [name for name in self._journal_objects() if name not in keep]
         if stale:
             self.fs.rm(stale)
@@ -470,78 +483,9 @@ class RemoteWorkdir(Workdir):
         return storage.fs_path(f"{self.paths.workdir_url}/{name}")
 
 
-@dataclass(frozen=True)
-class Journaled:
-    """What an interrupted build left that a resumed one keeps: its full batches in order, the
-    half-filled batch it stopped in (if any), and how many shards it finished."""
-
-    batches: list[dict[str, Any]]
-    partial: dict[str, Any] | None
-    done_shards: int
-    groups: list[dict[str, Any]] = field(default_factory=list)  # --engine dask: the groups it finished
-
-    def lines(self) -> list[dict[str, Any]]:
-        """The journal of just this, in order."""
-        out: list[dict[str, Any]] = []
-        for batch in self.batches:
-            out.append(batch)
-            if batch["shard"] < self.done_shards and _last_of_shard(batch, self.batches):
-                out.append({"shard_done": batch["shard"]})
-        return out + ([self.partial] if self.partial else []) + self.groups
-
-    @property
-    def kept(self) -> list[dict[str, Any]]:
-        """Every kept batch, the half-filled one last."""
-        return self.batches + ([self.partial] if self.partial else [])
-
-    @property
-    def entries(self) -> list[list[Any]]:
-        """The file entries of every kept row, the half-filled batch's and the groups' included."""
-        return [entry for batch in self.kept + self.groups for entry in batch["files"]]
-
-
-def _last_of_shard(batch: dict[str, Any], batches: list[dict[str, Any]]) -> bool:
-    following = batch["batch"] + 1
-    return bool(following >= len(batches) or batches[following]["shard"] != batch["shard"])
-
-
-def resolve_journal(lines: list[dict[str, Any]], batch_size: int) -> Journaled:
-    """The batches 0..K-1 in order, a later line for a batch replacing an earlier one (a resumed
-    half-filled batch is written again once full). Only the last batch can be short; anything
-    out of order ends the journal there. A line not of batchctl's form raises `Untrusted`."""
-    batches: list[dict[str, Any]] = []
-    done = 0
-    for place, line in enumerate(lines, 1):
-        try:
-            journal.check_journal_line(line, batch_size)
-        except Untrusted as exc:
-            raise Untrusted(f"journal line {place}: {exc}") from None
-        if "shard_done" in line:
-            done += line["shard_done"] == done
-            continue
-        number = line.get("batch")
-        if batches and number == batches[-1]["batch"] and batches[-1]["rows"] < batch_size:
-            batches[-1] = line  # the half-filled batch, written again
-        elif number == len(batches) and (not batches or batches[-1]["rows"] == batch_size):
-            batches.append(line)
-        else:
-            break
-    try:
-        journal.check_sequence(batches, batch_size, None)
-    except Untrusted as exc:
-        raise Untrusted(f"the journal's batches: {exc}") from None
-    partial = None
-    if batches and batches[-1]["rows"] < batch_size and batches[-1]["shard"] >= done:  # not a closed final shard
-        partial = batches.pop()
-    return Journaled(batches, partial, done)
-
-
-def _parse_state(raw: bytes) -> dict[str, Any]:
-    try:
-        return journal.check_state(json.loads(raw))
-    except ValueError as exc:  # Untrusted is one
-        reason = str(exc) if isinstance(exc, Untrusted) else "it is not JSON"
-        raise Untrusted(f"state.json: {reason}") from None
+def _json_lines(lines: Sequence[journal.Line]) -> bytes:
+    """One journal object: a JSON list of lines."""
+    return json.dumps([journal.to_json(line) for line in lines]).encode()
 
 
 def _exchange(a: Path, b: Path) -> bool:

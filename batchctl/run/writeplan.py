@@ -10,16 +10,7 @@ from typing import Any
 
 from batchctl.records import CarryRun
 from batchctl.run.staging import BuildPaths
-
-
-@dataclass(frozen=True)
-class ResumePoint:
-    """Where an interrupted build stopped: its journaled full batches (all of them: the open
-    shard's chunks are among them) and the half-filled batch it left, to be filled up again."""
-
-    batches: list[dict[str, Any]]
-    partial: dict[str, Any] | None
-    done_shards: int
+from batchctl.store.journal import Journaled
 
 
 @dataclass(frozen=True)
@@ -30,7 +21,7 @@ class CollatorConfig:
     compression: str
     labelled: bool
     source_bytes: int  # the width of the `source` array (the longest input path's UTF-8 bytes)
-    resume: ResumePoint = ResumePoint([], None, 0)
+    resume: Journaled = Journaled()  # where an interrupted build stopped
     carry: Carry | None = None
 
 

@@ -95,7 +95,7 @@ class DatasetAttrs:
     created: str
     source: str
     fingerprint: str = ""
-    build_id: str = ""  # unique to the build that wrote this version; its record beside OUTPUT names it too
+    build_id: str = ""  # unique to the build that wrote this version; its record (inside it) names it too
     record_sha256: str = ""  # the SHA-256 of that record's bytes: a record that differs is not this dataset's
     complete: bool = False
     num_samples: int = 0

@@ -18,8 +18,7 @@ from typing import Any
 
 from batchctl.errors import FormatError
 from batchctl.store import codec, zarrmeta
-
-Chunk = tuple[int, int]  # (offset, nbytes) of one encoded chunk in its shard
+from batchctl.store.journal import Chunk
 
 
 class OpenShard:

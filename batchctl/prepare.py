@@ -1,0 +1,217 @@
+"""Before a build runs: read what its start is planned from (`read_interrupted`, `read_published`:
+the facts `batchctl.plan.start.plan_start` decides on), then set the work folder up as the plan
+says (`prepare`): keep what a resume keeps, or seed an incremental build's staging dataset from
+the published one, or start an empty one.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from batchctl.errors import FormatError
+from batchctl.plan.start import Interrupted, Published, Request, Seed, Start
+from batchctl.run.staging import BuildPaths, Workdir
+from batchctl.store import codec, metadata as meta, storage
+from batchctl.store.format import remove_shards_from
+from batchctl.store.journal import GroupLine, Journaled, Untrusted, resolve
+from batchctl.store.record import Record, read_record
+from batchctl.store.shards import read_chunk
+from batchctl.store.zarrmeta import ArrayMeta, DatasetFiles
+
+
+def read_interrupted(paths: BuildPaths, work: Workdir, batch_size: int) -> Interrupted | None:
+    """What an interrupted build left in the work folder, or None when there is none. Raises
+    `Untrusted` for a `state.json` that is not batchctl's; a journal that is not is reported in
+    the facts (the plan says whether it matters)."""
+    state = work.read_state()
+    if state is None:
+        return None
+    files = paths.staging_files
+    arrays = files.arrays()
+    try:
+        journal = resolve(work.read_journal(batch_size), batch_size)
+    except Untrusted as exc:
+        return Interrupted(state, problem=str(exc))
+    facts = Interrupted(state, journal, arrays=tuple(arrays))
+    if state.engine == "local":
+        facts = _local_facts(facts, paths, arrays)
+    else:
+        present = frozenset(g.group for g in journal.groups if _group_there(paths, files, arrays, journal, g))
+        facts = replace(facts, groups_present=present)
+    if state.incremental is not None:
+        seeded = state.incremental
+        try:
+            record = read_record(paths.record_url, paths.storage_options, seeded.build_id, seeded.record_sha256)
+        except Untrusted as exc:
+            return replace(facts, record_problem=str(exc))
+        return replace(facts, record=record)
+    return facts
+
+
+def _local_facts(facts: Interrupted, paths: BuildPaths, arrays: Mapping[str, ArrayMeta]) -> Interrupted:
+    """The sizes of the shard files the journal's open batches lie in, and whether its
+    half-filled batch decodes."""
+    journal = facts.journal
+    shards = {batch.shard for batch in journal.kept if batch.shard >= journal.done_shards}
+    files = paths.staging_files
+    sizes = {(name, shard): files.size(arr.shard_key(shard)) for name, arr in arrays.items() for shard in shards}
+    decodes = journal.partial is not None and _decodes(paths, arrays, journal)
+    return replace(facts, shard_sizes=sizes, partial_decodes=decodes)
+
+
+def _decodes(paths: BuildPaths, arrays: Mapping[str, ArrayMeta], journal: Journaled) -> bool:
+    """The half-filled batch reads back whole from its shard files (local OUTPUT only)."""
+    partial = journal.partial
+    if paths.remote or partial is None:
+        return False
+    try:
+        for name, arr in arrays.items():
+            stored = read_chunk(arr, partial.shard, paths.staging, partial.chunks[name])
+            codec.ChunkEncoder.for_array(arr).decode(stored)
+    except (OSError, ValueError, RuntimeError, KeyError):  # FormatError is a ValueError
+        return False
+    return True
+
+
+def _group_there(
+    paths: BuildPaths, files: DatasetFiles, arrays: Mapping[str, ArrayMeta], journal: Journaled, line: GroupLine
+) -> bool:
+    """A finished Dask group's output is there: its shard (`full`) or its spill object."""
+    if line.full:
+        source = arrays.get(meta.SOURCE)
+        return source is not None and files.size(source.shard_key(journal.done_shards + line.group)) >= 0
+    spill_fs, where = storage.locate(paths.spill_url(line.group), paths.storage_options)
+    return bool(spill_fs.exists(where))
+
+
+def read_published(paths: BuildPaths, keep_tail: bool) -> Published:
+    """The dataset at OUTPUT, its record (and why it is not used), and the chunks of its short
+    last shard, which an incremental build may keep open."""
+    attrs = meta.read_dataset_attrs(paths.url, paths.storage_options)
+    if attrs is None or not attrs.complete:
+        return Published(attrs)
+    try:
+        record = _read_record(paths, attrs)
+        width = DatasetFiles(paths.url, paths.storage_options).arrays()[meta.SOURCE].shape[1] if record else 0
+    except FormatError as exc:
+        return Published(attrs, record_problem=str(exc))
+    except (KeyError, IndexError):
+        return Published(attrs, record_problem="the dataset has no source column")
+    if record is None:
+        return Published(attrs)
+    try:
+        tail = _tail_chunks(paths, record) if keep_tail else {}
+    except (OSError, FormatError) as exc:
+        return Published(attrs, record_problem=f"its last shard cannot be kept open ({exc})")
+    return Published(attrs, record, source_width=width, tail_chunks=tail)
+
+
+def _read_record(paths: BuildPaths, attrs: meta.DatasetAttrs) -> Record | None:
+    """The dataset's record: inside it, or beside it for a dataset an earlier batchctl published
+    (its hash in the dataset's attributes vouches for it either way)."""
+    for where in (paths.record_url, paths.old_record_url):
+        found = read_record(where, paths.storage_options, attrs.build_id, attrs.record_sha256)
+        if found is not None:
+            return found
+    return None
+
+
+def _tail_chunks(paths: BuildPaths, record: Record) -> dict[str, tuple[tuple[int, int], ...]]:
+    """(offset, nbytes) of each chunk of the published last shard of every array, from its index,
+    when that shard is short (local OUTPUT: only there is a shard kept open)."""
+    last = record.batches[-1].shard if record.batches else -1
+    rows = sum(batch.rows for batch in record.batches if batch.shard == last)
+    if last < 0 or rows >= record.shard_rows or paths.remote:
+        return {}
+    arrays = DatasetFiles(paths.url).arrays()
+    found = {}
+    for name, arr in arrays.items():
+        places = codec.read_shard_index(paths.output / arr.shard_key(last), record.shard_batches)
+        found[name] = tuple((int(offset), int(nbytes)) for offset, nbytes in places)
+    return found
+
+
+def prepare(
+    start: Start, request: Request, paths: BuildPaths, work: Workdir, staging_attrs: Callable[[], meta.DatasetAttrs]
+) -> None:
+    """Set the work folder up as `start` says. A resume keeps its state and journal (cut to what
+    it keeps) and drops the shard files past them; any other start empties the work folder, makes
+    the staging dataset (`staging_attrs`: its attributes, `complete` false) and writes the state
+    last: a start cut short is simply made again."""
+    if start.how == "resume":
+        if start.state.engine == "local":
+            work.rewrite_journal(start.kept.lines())
+            files = paths.staging_files
+            arrays = files.arrays()
+            if arrays:
+                remove_shards_from(files, arrays, max((b.shard for b in start.kept.kept), default=-1) + 1)
+        return
+    work.start()
+    if start.seed is None:
+        meta.write_dataset_attrs(paths.staging_files, staging_attrs(), new=True)
+    else:
+        _seed(paths, start.seed, request.carry_from, staging_attrs)
+        work.append_journal(start.seed.lines)
+    work.write_state(start.state)
+
+
+def _seed(paths: BuildPaths, seed: Seed, carry_from: str, staging_attrs: Callable[[], meta.DatasetAttrs]) -> None:
+    """The staging dataset an incremental build starts from: the published dataset's arrays
+    (empty) and its kept shards renumbered 0..K-1. On an object store, where the dataset is
+    changed in place, it is first marked incomplete and the shards whose rows are carried are
+    copied aside (to `carry_from`)."""
+    files = paths.staging_files
+    if paths.remote:
+        meta.write_dataset_attrs(files, staging_attrs())  # no longer complete: its shards move now
+        fs, root = storage.locate(paths.url, paths.storage_options)
+        arrays = files.arrays()
+        _copy_metadata(files, DatasetFiles(carry_from, paths.storage_options), arrays)
+        for shard in seed.carried_shards:
+            _copy_shard(fs, arrays, f"{root}/", shard, f"{storage.fs_path(carry_from)}/", shard)
+        for new, old in enumerate(seed.kept_shards):
+            if new != old:
+                _copy_shard(fs, arrays, f"{root}/", old, f"{root}/", new)
+        remove_shards_from(files, arrays, len(seed.kept_shards))
+        return
+    published = DatasetFiles(paths.url)
+    arrays = published.arrays()
+    _copy_metadata(published, files, arrays)
+    for new, old in enumerate(seed.kept_shards):
+        for arr in arrays.values():
+            source, target = paths.output / arr.shard_key(old), paths.staging / arr.shard_key(new)
+            if new < seed.whole:
+                _link(source, target)
+            else:  # the open tail grows: a copy of its own, never a link to the published file
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(source, target)
+    meta.write_dataset_attrs(files, staging_attrs())
+
+
+def _copy_metadata(source: DatasetFiles, dest: DatasetFiles, arrays: Mapping[str, ArrayMeta]) -> None:
+    """Copy the group's and `arrays`' `zarr.json` documents: with the shards copied too, `dest`
+    reads them as `source` did."""
+    for key in ["zarr.json", *(f"{name}/zarr.json" for name in arrays)]:
+        dest.write(key, [source.read(key)])
+
+
+def _copy_shard(fs: Any, arrays: Mapping[str, ArrayMeta], src: str, old: int, dest: str, new: int) -> None:
+    """Copy shard `old` of every array to shard `new` (server-side on an object store)."""
+    for arr in arrays.values():
+        target = dest + arr.shard_key(new)
+        fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
+        fs.copy(src + arr.shard_key(old), target)
+
+
+def _link(src: Path, dst: Path) -> None:
+    """A kept shard file in the staging dataset: a hard link to the published one (which is never
+    written again), or a copy where the filesystem has no hard links."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)
