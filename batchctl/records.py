@@ -158,3 +158,11 @@ Event = BatchWritten | Rejected | Finished | Stopped | Crashed
 @dataclass(frozen=True)
 class Stop:
     """Sent by the parent on the control pipe: write what you have, journal it, exit."""
+
+
+@dataclass(frozen=True)
+class Lost:
+    """Sent by the parent on the control pipe: these tasks will send no rows (their worker died
+    or was killed past --timeout), so the chunks after them need not wait."""
+
+    tasks: tuple[int, ...]

@@ -32,6 +32,7 @@ from batchctl.records import (
     End,
     Event,
     Finished,
+    Lost,
     PathKey,
     Rejected,
     SentTask,
@@ -43,7 +44,8 @@ from batchctl.records import (
 from batchctl.run import staging
 from batchctl.run.mpinternals import queue_reader
 from batchctl.run.processes import init_child
-from batchctl.run.ring import InRing, SampleRing
+from batchctl.run.reorder import Reorder
+from batchctl.run.ring import InRing, SampleRing, Sent
 from batchctl.run.rows import check_schema, provenance, runs_of, schema_of
 from batchctl.run.writeplan import Carry, CollatorConfig
 from batchctl.store import chunkread, codec, format as fmt, metadata, shards, storage
@@ -55,6 +57,10 @@ SYNC_S = 1.0  # batches are journaled (their shard files fsynced first) at most 
 # is spread thin: with 8 threads no one thread exceeds ~1/25 (benchmarks/run.py measures it).
 WRITE_THREADS = 8
 BATCHES_IN_FLIGHT = 6  # batch buffers being encoded or written, at most (memory: a few batches)
+# Set only by benchmarks/order.py, to measure what placing rows in dispatch order costs against
+# placing them as they arrive (what batchctl did before 2026-12-06): the dataset then depends on
+# which worker was quicker.
+ARRIVAL_ORDER = os.environ.get("BATCHCTL_BENCH_ARRIVAL_ORDER") == "1"
 WRITE_SLICE = 2**20  # a big chunk is written in slices of this many bytes, by all writer threads at once
 
 
@@ -205,7 +211,7 @@ class Collator:
             while take:  # journal what of each task this batch holds
                 placed = min(left, take)
                 take, left = take - placed, left - placed
-                batch.entries.append(FileRun(relpath, placed, left == 0, size, mtime_ns, part[0] if part else 0))
+                _append_run(batch.entries, FileRun(relpath, placed, left == 0, size, mtime_ns, part[0] if part else 0))
                 if left == 0 and (take or done < output.rows):  # more rows follow: the next task's
                     (_, relpath, _, size, mtime_ns, part, _), left = next(parts)
             if batch.rows == self.layout.batch_size:
@@ -362,6 +368,16 @@ class Collator:
         return Stopped(self.samples)
 
 
+def _append_run(entries: list[FileRun], run: FileRun) -> None:
+    """One run per part per batch: rows of a part continuing the batch's last run join it (a
+    resumed build goes on from the half-filled batch as the uninterrupted build would have)."""
+    last = entries[-1] if entries else None
+    if last is not None and last.key == run.key and not last.finished:
+        entries[-1] = last._replace(rows=last.rows + run.rows, finished=run.finished)
+    else:
+        entries.append(run)
+
+
 def _carried(keys: list[PathKey], pending: dict[PathKey, list[tuple[CarryRun, dict[str, np.ndarray]]]]) -> TaskOutput:
     """The carried rows of these parts as one output, each part's rows in sample order."""
     parts: list[tuple[SentTask, int]] = []
@@ -387,21 +403,82 @@ def _slices(pieces: list[Any], offset: int) -> Iterator[tuple[int, memoryview]]:
         offset += len(view)
 
 
-def _collate(message: Any, collator: Collator, ring: SampleRing | None) -> None:
-    """One worker's chunk: in its ring slot, or pickled in the message itself."""
-    if isinstance(message, InRing):
-        assert ring is not None
-        for output in ring.outputs(message):
-            collator.add(output)
-        ring.release(message)
-    else:
-        for output in message:
-            collator.add(output)
+class Placement:
+    """The collator's side of the workers' messages: each chunk's rows placed where the chunk
+    stands in the dispatch order (`Reorder`), whatever order the workers finish in. An early
+    chunk is copied out of its ring slot (freeing the worker) and held; the bytes held are
+    published in `held` for the parent's feed, which stops dispatching while they are many."""
+
+    def __init__(self, collator: Collator, ring: SampleRing | None, held: Any, control: Connection) -> None:
+        self.collator, self.ring, self.held, self.control = collator, ring, held, control
+        self.reorder: Reorder[list[TaskOutput]] = Reorder()
+
+    def take(self, message: Sent) -> None:
+        tasks = message.tasks
+        if ARRIVAL_ORDER:  # benchmarks/order.py's comparison: rows in the order chunks arrive
+            self._add(self._outputs(message.body))
+            self._release(message.body)
+        elif self.reorder.stale(tasks):  # a second copy of a chunk: its worker died after sending
+            self._release(message.body)
+        elif self.reorder.due(tasks):
+            self._add(self._outputs(message.body))
+            self._release(message.body)
+            self.reorder.placed(tasks)
+            self._place_due()
+        else:
+            outputs = [_owned(output) for output in self._outputs(message.body)]
+            self._release(message.body)
+            self.reorder.hold(tasks, outputs, sum(c.nbytes for o in outputs for c in o.columns.values()))
+        self.held.value = self.reorder.bytes
+
+    def stop_asked(self) -> bool:
+        """Read the parent's control messages waiting: True on Stop; lost tasks are settled."""
+        while self.control.poll(0):
+            message = self.control.recv()
+            if isinstance(message, Lost):
+                self.reorder.lost(message.tasks)
+                self._place_due()
+                self.held.value = self.reorder.bytes
+            else:
+                return True
+        return False
+
+    def finish(self) -> None:
+        """End: every chunk has arrived, so nothing is held (were anything, it goes in, in order)."""
+        for _, outputs in self.reorder.take_all():
+            self._add(outputs)
+
+    def _place_due(self) -> None:
+        while (due := self.reorder.take_due()) is not None:
+            tasks, outputs = due
+            self._add(outputs)
+            self.reorder.placed(tasks)
+
+    def _add(self, outputs: list[TaskOutput]) -> None:
+        for output in outputs:
+            self.collator.add(output)
+
+    def _outputs(self, body: InRing | list[TaskOutput]) -> list[TaskOutput]:
+        if isinstance(body, InRing):
+            assert self.ring is not None
+            return self.ring.outputs(body)
+        return body
+
+    def _release(self, body: InRing | list[TaskOutput]) -> None:
+        if isinstance(body, InRing):
+            assert self.ring is not None
+            self.ring.release(body)
 
 
-def _drain(inbox: SimpleQueue[Any], reader: Connection, collator: Collator, ring: SampleRing | None) -> None:
+def _owned(output: TaskOutput) -> TaskOutput:
+    """An output whose columns no longer view a ring slot."""
+    return TaskOutput(output.parts, {name: np.array(column) for name, column in output.columns.items()})
+
+
+def _drain(inbox: SimpleQueue[Any], reader: Connection, placement: Placement) -> None:
     """On Stop, take the messages already in the inbox too: a worker's result reaches the parent
-    only after its message is in the pipe, so these are samples the parent counted as done. The
+    only after its message is in the pipe, so these are samples the parent counted as done (what
+    of them is not yet due is dropped with the rest, and done again by a resumed build). The
     workers are dead by now: one killed half-way through writing leaves a torn message, which
     would block a read for ever, so the pipe is read without blocking and the drain ends there."""
     os.set_blocking(reader.fileno(), False)
@@ -412,7 +489,7 @@ def _drain(inbox: SimpleQueue[Any], reader: Connection, collator: Collator, ring
             return
         if isinstance(message, End):
             return
-        _collate(message, collator, ring)
+        placement.take(message)
 
 
 def run_collator(
@@ -421,26 +498,30 @@ def run_collator(
     control: Connection,
     events: Queue[Event],
     ring: SampleRing | None,
+    held: Any,
 ) -> None:
     """Process entry point: collate until the parent's End and every task output it counts arrived,
     or until the parent says Stop on the control pipe."""
     init_child("batchctl-collator")
     try:
         collator = Collator(config, events)
+        placement = Placement(collator, ring, held, control)
         if config.carry is not None and config.carry.runs:
-            collator.carry_over(config.carry, control.poll)
+            collator.carry_over(config.carry, placement.stop_asked)
         reader = queue_reader(inbox)
         while True:
             if control in wait([control, reader]):
-                control.recv()
-                _drain(inbox, reader, collator, ring)
-                events.put(collator.stop())
-                break
+                if placement.stop_asked():
+                    _drain(inbox, reader, placement)
+                    events.put(collator.stop())
+                    break
+                continue
             message = inbox.get()
             if isinstance(message, End):
+                placement.finish()
                 events.put(collator.finish())
                 break
-            _collate(message, collator, ring)
+            placement.take(message)
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails the build
         events.put(Crashed(f"the collator failed writing {config.paths.url}: {describe_error(exc)}"))
         events.close()

@@ -31,6 +31,7 @@ from batchctl.records import (
     End,
     Event,
     Finished,
+    Lost,
     Rejected,
     Stop,
     Stopped,
@@ -46,6 +47,7 @@ from batchctl.run.processes import (
     signals_ignored,
     start_forkserver,
 )
+from batchctl.run.reorder import WINDOW_BYTES
 from batchctl.run.ring import SampleRing
 from batchctl.run.staging import BuildPaths
 from batchctl.run.tally import Tally
@@ -97,8 +99,10 @@ class Pipeline:
         self.feed: BoundedFeed | None = None
         self.slots = WorkerSlots(self.ctx, 2 * config.workers + 8)
         self.ring = SampleRing.create(self.ctx, self.slots.count)
+        self.held = self.ctx.Value("q", 0, lock=False)  # bytes of early chunks the collator holds
         self.pending: dict[int, Task] = {}
         self.chunk_of: dict[int, list[Task]] = {}
+        self.position_of: dict[int, int] = {}  # task index -> its chunk's place in the dispatch order
         self.seen_workers: dict[int, Any] = {}
         self.timed_out: set[int] = set()
         self.lost_workers = 0
@@ -120,7 +124,7 @@ class Pipeline:
         with signals_deferred():
             self.collator = self.ctx.Process(
                 target=_collator_main,
-                args=(cfg.collator, self.inbox, self.control, self.events, self.ring),
+                args=(cfg.collator, self.inbox, self.control, self.events, self.ring, self.held),
                 name="batchctl-collator",
             )
             self.collator.start()
@@ -140,12 +144,14 @@ class Pipeline:
             self._remember_workers()
             chunks = chunked(tasks, cfg.workers)
             self.chunk_of = {task.index: chunk for chunk in chunks for task in chunk}
-            self.feed = BoundedFeed(chunks, CHUNKS_PER_WORKER * cfg.workers)
+            self.position_of = {task.index: n for n, chunk in enumerate(chunks) for task in chunk}
+            held = self.held
+            self.feed = BoundedFeed(chunks, CHUNKS_PER_WORKER * cfg.workers, lambda: int(held.value), WINDOW_BYTES)
             results = self.pool.imap_unordered(run_chunk, self.feed)
             while self.pending:
                 chunk_results = self._next_results(results)
                 if chunk_results is not None:
-                    self.feed.consumed()
+                    self.feed.consumed(self.position_of[chunk_results[0][0]])
                     self._chunk_done(chunk_results)
                 self._drain_events()
             self.feed.stop()
@@ -224,12 +230,15 @@ class Pipeline:
         return accounted
 
     def _retry_rest_of_chunk(self, lost: Task) -> None:
-        """The dead worker's chunk sent nothing: hand its other tasks out again."""
+        """The dead worker's chunk sent nothing: hand its other tasks out again, and tell the
+        collator the lost task sends no rows (it places chunks in dispatch order)."""
         assert self.feed is not None
         rest = [task for task in self.chunk_of.pop(lost.index, []) if task.index in self.pending]
         for task in rest:
             self.chunk_of[task.index] = rest
-        self.feed.retry(rest)
+        self.feed.retry(self.position_of[lost.index], rest)
+        with contextlib.suppress(OSError):
+            self.control_end.send(Lost((lost.index,)))
 
     def _drain_events(self, block: bool = False) -> Finished | Stopped | None:
         while True:

@@ -52,6 +52,15 @@ class InRing:
     outputs: list[tuple[list[tuple[SentTask, int]], list[ColumnRef]]]
 
 
+@dataclass(frozen=True)
+class Sent:
+    """A worker's message to the collator for one chunk: the indices of all its tasks (rows or
+    not: the collator places chunks in dispatch order) and their outputs, in the ring or pickled."""
+
+    tasks: tuple[int, ...]
+    body: InRing | list[TaskOutput]
+
+
 class SampleRing:
     """One anonymous shared-memory segment of `count` slots of `slot_bytes` each; the object
     travels to the workers and the collator as they start, each mapping the segment lazily."""

@@ -1,11 +1,12 @@
 """Preprocessing workers: the pool, bounded dispatch, and the task that runs in each worker.
 
-Workers hand their samples straight to the collator: through their slot of the shared-memory
-ring (`batchctl.run.ring`) with a small message on the collator's queue, or pickled through that
-queue when the ring cannot take them. To the parent a chunk of tasks returns only `Done` tuples
-(task, samples sent, error), so sample arrays never pass through the parent, and a slow collator
-slows the workers down instead of filling memory (a worker waits for its slot to be free). No
-exception crosses the pool: a failing file becomes a `Done` with its error text.
+Workers hand their samples straight to the collator, one message per chunk of tasks: through
+their slot of the shared-memory ring (`batchctl.run.ring`) with a small message on the
+collator's queue, or pickled through that queue when the ring cannot take them. To the parent a
+chunk of tasks returns only `Done` tuples (task, samples sent, error), so sample arrays never
+pass through the parent, and a slow collator slows the workers down instead of filling memory (a
+worker waits for its slot to be free). No exception crosses the pool: a failing file becomes a
+`Done` with its error text.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import signal
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from multiprocessing.context import BaseContext
 from multiprocessing.pool import Pool
 from multiprocessing.queues import SimpleQueue
@@ -27,7 +28,7 @@ from batchctl.preprocess import resolve
 from batchctl.records import Done, SentTask, Task, TaskOutput
 from batchctl.run.mpinternals import QuietPool
 from batchctl.run.processes import alive, init_child
-from batchctl.run.ring import SampleRing
+from batchctl.run.ring import SampleRing, Sent
 from batchctl.run.rows import preprocess_file
 from batchctl.store.storage import SourceRoot
 
@@ -103,6 +104,7 @@ def _now_ms() -> int:
 CHUNK_BYTES = 2 * 2**20  # input bytes in one chunk, at most (a big file's part is a chunk of its own)
 MAX_CHUNK_TASKS = 256
 MIN_CHUNKS_PER_WORKER = 16
+HELD_POLL_S = 0.02  # how often a feed held back by the reorder window looks again
 
 _worker: dict[str, Any] = {}
 
@@ -141,19 +143,19 @@ def run_chunk(tasks: list[SentTask]) -> list[Done]:
                 done.append((task[0], 0, columns))
             else:
                 done.append((task[0], outputs.add(task, columns), None))
-        if outputs.runs:
-            _send(outputs.merged())
+        _send(tuple(task[0] for task in tasks), outputs.merged())  # rows or not: the collator places the chunk
     finally:
         slots.end(slot)
     return done
 
 
-def _send(outputs: list[TaskOutput]) -> None:
+def _send(tasks: tuple[int, ...], outputs: list[TaskOutput]) -> None:
     """Through this worker's ring slot where it can, else pickled through the pipe."""
     ring: SampleRing | None = _worker["ring"]
     slot = _worker["slot"]
-    message = ring.put(slot, outputs) if ring is not None and _worker["slots"].ring_usable(slot) else None
-    _worker["outbox"].put(outputs if message is None else message)
+    usable = outputs and ring is not None and _worker["slots"].ring_usable(slot)
+    message = ring.put(slot, outputs) if usable and ring is not None else None
+    _worker["outbox"].put(Sent(tasks, outputs if message is None else message))
 
 
 class OutputRuns:
@@ -189,41 +191,60 @@ def _concatenated(pieces: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
 
 
 class BoundedFeed:
-    """Feeds a pool chunks of tasks, at most `window` chunks ahead of the results consumed.
+    """Feeds a pool chunks of tasks, at most `window` chunks ahead of the results consumed, and
+    nothing new while the collator holds `reorder_bytes` or more of early chunks (`held()`).
 
     `Pool.imap_unordered` pulls its input eagerly; this iterator blocks the pool's feeder thread
-    on a condition until a result is consumed, so memory stays flat. It ends only on `stop()`,
-    so tasks of a lost worker can still be handed out again (`retry`).
+    on a condition until a result is consumed, so memory stays flat. The oldest chunk not yet
+    finished (the one the collator waits for) is always handed out: a chunk lost with its worker
+    and queued again (`retry`) goes first. It ends only on `stop()`.
     """
 
-    def __init__(self, chunks: list[list[Task]], window: int) -> None:
-        self._todo = deque(chunks)
+    def __init__(
+        self, chunks: list[list[Task]], window: int, held: Callable[[], int] = lambda: 0, reorder_bytes: int = 0
+    ) -> None:
+        self._todo = deque(enumerate(chunks))
         self._window = window
+        self._held, self._reorder_bytes = held, reorder_bytes
         self._in_flight = 0
+        self._unfinished = set(range(len(chunks)))
         self._stopped = False
         self._changed = threading.Condition()
 
     def __iter__(self) -> Iterator[list[SentTask]]:
         while True:
             with self._changed:
-                self._changed.wait_for(lambda: self._stopped or (self._todo and self._in_flight < self._window))
+                while not (self._stopped or self._may_dispatch()):
+                    self._changed.wait(HELD_POLL_S)  # the collator's holdings change in another process
                 if self._stopped:
                     return
-                chunk = self._todo.popleft()
+                _, chunk = self._todo.popleft()
                 self._in_flight += 1
             yield [task.sent() for task in chunk]
 
-    def consumed(self) -> None:
+    def _may_dispatch(self) -> bool:
+        if not self._todo or self._in_flight >= self._window:
+            return False
+        if not self._reorder_bytes or self._todo[0][0] <= min(self._unfinished, default=0):
+            return True
+        return self._held() < self._reorder_bytes
+
+    def consumed(self, position: int) -> None:
+        """The results of the chunk at `position` (in the dispatch order) are in."""
         with self._changed:
             self._in_flight -= 1
+            self._unfinished.discard(position)
             self._changed.notify()
 
-    def retry(self, tasks: list[Task]) -> None:
-        """A chunk was lost with its worker: free its place and queue `tasks` of it again."""
+    def retry(self, position: int, tasks: list[Task]) -> None:
+        """The chunk at `position` was lost with its worker: free its place and queue `tasks` of it
+        again, first."""
         with self._changed:
             self._in_flight -= 1
             if tasks:
-                self._todo.appendleft(tasks)
+                self._todo.appendleft((position, tasks))
+            else:
+                self._unfinished.discard(position)
             self._changed.notify()
 
     def stop(self) -> None:
