@@ -12,7 +12,6 @@ import dataclasses
 import os
 import sys
 import time
-import uuid
 from pathlib import Path
 from typing import Any, Unpack
 
@@ -106,7 +105,6 @@ class _Builder:
         self.report = BuildReport(str(source), output)
         self.tally = Tally(self.report, progress, options.max_errors)
         self.started = time.monotonic()
-        self.build_id = uuid.uuid4().hex
         self.digests: dict[str, str] = {}  # --checksum: each input's content hash
 
     def run(self) -> BuildReport:
@@ -284,8 +282,8 @@ class _Builder:
             self.digests,
         )
         notes = self.preprocessor.describe(self.pp_options) if self.preprocessor.describe else {}
-        attrs = dataset_attrs(origin, self.report.errors, fingerprint, finished)
-        publish(self.work, self.paths, attrs, record, notes)
+        attrs = dataset_attrs(origin, self.report.errors, finished)
+        self.report.digest = publish(self.work, self.paths, attrs, record, notes, fingerprint)
         for warning in self.work.warnings:
             self.progress.info(warning)
         self.report.samples = finished.samples
@@ -306,7 +304,6 @@ class _Builder:
 
     def _origin(self, discovery: Discovery) -> Origin:
         return Origin(
-            build_id=self.build_id,
             source=str(self.source),
             spec=self.spec,
             batch_size=self.options.batch_size,
@@ -340,8 +337,12 @@ class _Builder:
 
     def _up_to_date(self, fingerprint: str) -> bool:
         attrs = meta.read_dataset_attrs(self.output, self.options.storage_options)
-        if attrs is None or not attrs.complete or attrs.fingerprint != fingerprint:
+        if attrs is None or not attrs.complete:
             return False
+        info = meta.read_build_info(self.output, self.options.storage_options)
+        if info is None or info.fingerprint != fingerprint or info.digest != attrs.digest:
+            return False
+        self.report.digest = attrs.digest
         self.report.samples, self.report.batches, self.report.shards = (
             attrs.num_samples,
             attrs.num_batches,

@@ -287,7 +287,10 @@ def _describe(data: dict[str, Any]) -> str:
         f"{count_of(data['num_shards'], 'shard')} (up to {data['shard_batches']} batches each), "
         f"{size_text(data['bytes'])} on disk",
         f"  compression {data['compression']}; preprocess {json.dumps(data['preprocess'])}",
-        f"  built {data['created']} by batchctl {data['batchctl_version']} from {data['source']}",
+        f"  digest {data['digest'] or '(none: an older format)'}",
+        f"  built by batchctl {data['batchctl_version']} from {data['source']}"
+        if data["batchctl_version"]
+        else "  built by an older batchctl (no build info)",
         f"  skipped with errors {data['errors']}, ignored {data['ignored']}",
         "  fields:",
     ]

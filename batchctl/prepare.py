@@ -113,9 +113,11 @@ def read_published(paths: BuildPaths, keep_tail: bool) -> Published:
 
 def _read_record(paths: BuildPaths, attrs: meta.DatasetAttrs) -> Record | None:
     """The dataset's record: inside it, or beside it for a dataset an earlier batchctl published
-    (its hash in the dataset's attributes vouches for it either way)."""
+    (its hash in the build info, where there is one, vouches for it)."""
+    info = meta.read_build_info(paths.url, paths.storage_options)
+    sha256 = info.record_sha256 if info is not None and info.digest == attrs.digest else ""
     for where in (paths.record_url, paths.old_record_url):
-        found = read_record(where, paths.storage_options, attrs.build_id, attrs.record_sha256)
+        found = read_record(where, paths.storage_options, attrs.build_id, sha256)
         if found is not None:
             return found
     return None

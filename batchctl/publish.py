@@ -1,20 +1,21 @@
 """Publishing a build: the dataset's attributes (`dataset_attrs`), its record (`record_of`: which
-file each row came from, for the next, incremental build), and the step that marks the staging
-dataset complete and puts it in place (`publish`; `Workdir.publish` makes it safe to kill).
+file each row came from, for the next, incremental build), and the step that gives the dataset
+its content digest, marks it complete and puts it in place (`publish`; `Workdir.publish` makes
+it safe to kill).
 """
 
 from __future__ import annotations
 
-import datetime as dt
 import hashlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from batchctl.records import Finished, WorkItem
 from batchctl.report import FileError
-from batchctl.run.staging import BuildPaths, Workdir
+from batchctl.run.staging import RECORD, BuildPaths, Workdir
 from batchctl.store import metadata as meta
+from batchctl.store.digest import content_digest
 from batchctl.store.journal import BatchLine
 from batchctl.store.record import Record, Skipped, record_bytes
 from batchctl.version import __version__
@@ -24,7 +25,6 @@ from batchctl.version import __version__
 class Origin:
     """What a dataset says of the build that made it."""
 
-    build_id: str
     source: str
     spec: Mapping[str, Any]
     batch_size: int
@@ -36,9 +36,7 @@ class Origin:
     ignored_paths: list[str] = field(default_factory=list)
 
 
-def dataset_attrs(
-    origin: Origin, errors: Sequence[FileError], fingerprint: str = "", finished: Finished | None = None
-) -> meta.DatasetAttrs:
+def dataset_attrs(origin: Origin, errors: Sequence[FileError], finished: Finished | None = None) -> meta.DatasetAttrs:
     """The group attributes: of a complete dataset once the engine `finished`, else of the
     staging dataset, `complete` false."""
     samples = finished.samples if finished else 0
@@ -49,11 +47,6 @@ def dataset_attrs(
         classes=origin.classes,
         preprocess=origin.spec["preprocess"],
         compression=origin.compression,
-        batchctl_version=__version__,
-        created=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        source=origin.source,
-        fingerprint=fingerprint,
-        build_id=origin.build_id,
         complete=finished is not None,
         num_samples=samples,
         num_batches=meta.num_batches(samples, origin.batch_size),
@@ -75,7 +68,7 @@ def record_of(
     digests: Mapping[str, str],
 ) -> Record:
     """The record of the dataset being published: its batches (every row's file) and the files
-    it skipped, with their stamps."""
+    it skipped, with their stamps (its `build_id`, the digest, is set as it is published)."""
     by_source = {error.source: error for error in errors}
     skipped = {
         item.relpath: Skipped(item.size, item.mtime_ns, by_source[item.relpath].error, by_source[item.relpath].retry)
@@ -83,7 +76,7 @@ def record_of(
         if item.relpath in by_source
     }
     return Record(
-        build_id=origin.build_id,
+        build_id="",
         spec=origin.spec,
         source=origin.source,
         classes=origin.classes,
@@ -103,14 +96,26 @@ def publish(
     attrs: meta.DatasetAttrs,
     record: Record,
     notes: meta.ArrayNotes,
-) -> None:
-    """Mark the staging dataset complete (its last write, naming its record's hash), then move
-    it and its record into place. `notes`: the preprocessor's words on its arrays."""
-    raw = record_bytes(record)
-    attrs.record_sha256 = hashlib.sha256(raw).hexdigest()
+    fingerprint: str,
+) -> str:
+    """Give the staging dataset its final array documents and its digest, then mark it complete
+    (its last write) and move it, its record and its build info into place. `notes`: the
+    preprocessor's words on its arrays; `fingerprint`: what a rerun finds it up to date by.
+    Returns the digest."""
+    files = paths.staging_files
+    arrays = meta.describe_arrays(files, attrs.classes, notes)
+    attrs.digest = content_digest(files, arrays, attrs)
+    raw = record_bytes(replace(record, build_id=attrs.digest))
+    info = meta.BuildInfo(
+        digest=attrs.digest,
+        batchctl_version=__version__,
+        source=record.source,
+        fingerprint=fingerprint,
+        record_sha256=hashlib.sha256(raw).hexdigest(),
+    )
 
     def mark_complete() -> None:
-        arrays = meta.describe_arrays(paths.staging_files, attrs.classes, notes)
-        meta.write_dataset_attrs(paths.staging_files, attrs, arrays=arrays)  # consolidates them
+        meta.write_dataset_attrs(files, attrs, arrays=arrays)  # consolidates the arrays' documents
 
-    work.publish(raw, record.build_id, mark_complete)
+    work.publish({RECORD: raw, meta.BUILD_INFO: info.to_bytes()}, attrs.digest, mark_complete)
+    return attrs.digest

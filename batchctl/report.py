@@ -43,6 +43,7 @@ class BuildReport:
     batches: int = 0
     shards: int = 0
     bytes: int = 0
+    digest: str = ""  # of the dataset's content (`batchctl info` shows it; `verify` recomputes it)
     processed: int = 0
     resumed_shards: int = 0  # finished shards kept from an interrupted run
     resumed_samples: int = 0  # samples kept from an interrupted run (in those shards and after them)

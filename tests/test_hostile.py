@@ -285,7 +285,7 @@ def test_force_over_another_users_dataset_is_refused_before_any_work(built: Path
     for path in [shared, *shared.rglob("*")]:
         os.chown(path, OTHER_UID, OTHER_UID)
     shared.chmod(0o1777)  # like /tmp: anyone may create, only the owner may remove or rename
-    source = Path(json.loads((data / "zarr.json").read_text())["attributes"]["batchctl"]["source"])
+    source = Path(json.loads((data / "batchctl.build.json").read_text())["source"])
     result = subprocess.run(
         [*WITHOUT_CAPS, *BATCHCTL, "build", source, "-o", data, *SMALL, "--force"],
         capture_output=True, text=True, timeout=60, cwd=ROOT,
@@ -325,7 +325,7 @@ def test_an_up_to_date_rerun_in_a_folder_it_cannot_write_says_up_to_date(built: 
     folder.mkdir()
     data = copy_of(built, folder)
     (folder / ".data.zarr.batchctl.lock").unlink(missing_ok=True)
-    source = json.loads((data / "zarr.json").read_text())["attributes"]["batchctl"]["source"]
+    source = json.loads((data / "batchctl.build.json").read_text())["source"]
     folder.chmod(0o555)
     try:
         result = subprocess.run(

@@ -13,12 +13,16 @@ import numpy as np
 from batchctl.errors import FormatError
 from batchctl.read.reader import Dataset
 from batchctl.store import codec, metadata, storage, zarrmeta
+from batchctl.store.digest import content_digest
 
 
 def info(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Counts, fields and their layout, compression ratio, bytes on disk, class histogram, build options."""
     ds = Dataset(path, allow_partial=True, storage_options=storage_options)
     attrs = ds.attrs
+    build = metadata.read_build_info(ds.path, ds.storage_options)  # None for a dataset of format version 2
+    if build is not None and build.digest != attrs.digest:
+        build = None  # not this version's
     fields = {}
     for name, arr in ds.arrays.items():
         stored = storage.tree_bytes(f"{ds.path}/{name}", ds.storage_options)
@@ -61,9 +65,9 @@ def info(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None
         "skipped": [{"source": source, "error": error} for source, error in attrs.skipped],
         "ignored": attrs.ignored,
         "ignored_paths": attrs.ignored_paths,
-        "source": attrs.source,
-        "created": attrs.created,
-        "batchctl_version": attrs.batchctl_version,
+        "digest": attrs.digest,
+        "source": build.source if build else None,
+        "batchctl_version": build.batchctl_version if build else None,
         "format_version": attrs.format_version,
     }
 
@@ -92,6 +96,19 @@ def _consolidated_problems(ds: Dataset) -> list[Problem]:
                 Problem(name, f"the group's consolidated metadata differs from {name}/{zarrmeta.ZARR_JSON}")
             )
     return problems
+
+
+def _digest_problems(ds: Dataset) -> list[Problem]:
+    """The content digest recomputed from the files must be the one the dataset was published
+    with (a dataset of format version 2 has none)."""
+    if ds.attrs.format_version < 3 or not ds.attrs.complete:
+        return []
+    files = zarrmeta.DatasetFiles(ds.path, ds.storage_options)
+    found = content_digest(files, files.arrays(), ds.attrs)
+    if found == ds.attrs.digest:
+        return []
+    published = ds.attrs.digest
+    return [Problem(zarrmeta.ZARR_JSON, f"the content digest is {found}, not the {published} it was published with")]
 
 
 def _chunk_bytes(ds: Dataset, name: str, arr: Any) -> int:
@@ -144,6 +161,7 @@ def verify(
         have = {shard for shard in have if not _index_problems(ds, stored, shard, problems)}
         readable = have if readable is None else readable & have
     problems += _consolidated_problems(ds)
+    problems += _digest_problems(ds)
     spec = {name: metadata.FieldSpec(tuple(s), d) for name, s, d in _field_specs(ds)}
     seen: set[tuple[str, int]] = set()
     per_shard = shard_rows // ds.batch_size

@@ -196,9 +196,9 @@ class Workdir(ABC):
         """Keep only `lines` (what a resumed build trusts)."""
 
     @abstractmethod
-    def publish(self, record: bytes, build_id: str, mark_complete: Callable[[], None]) -> None:
-        """Put `record` in the staging dataset, mark it complete (`mark_complete`: the attributes
-        of build `build_id`), put it in place, then drop the work.
+    def publish(self, files: Mapping[str, bytes], build_id: str, mark_complete: Callable[[], None]) -> None:
+        """Put `files` (the record, the build info) in the staging dataset, mark it complete
+        (`mark_complete`: the attributes of version `build_id`), put it in place, then drop the work.
 
         The work says what it is publishing (`PUBLISHING`, written durably first), so that a run
         killed at any point of this is either resumed (the dataset at OUTPUT is not yet
@@ -306,10 +306,11 @@ class LocalWorkdir(Workdir):
             file.flush()
             os.fsync(file.fileno())
 
-    def publish(self, record: bytes, build_id: str, mark_complete: Callable[[], None]) -> None:
+    def publish(self, files: Mapping[str, bytes], build_id: str, mark_complete: Callable[[], None]) -> None:
         """Deleting the old dataset afterwards may be interrupted freely."""
         paths = self.paths
-        _write_durably(paths.staging / RECORD, record)
+        for name, data in files.items():
+            _write_durably(paths.staging / name, data)
         mark_complete()
         _write_durably(paths.workdir / PUBLISHING, build_id.encode())
         _fsync_dir(paths.workdir)
@@ -446,11 +447,12 @@ class RemoteWorkdir(Workdir):
         if stale:
             self.fs.rm(stale)
 
-    def publish(self, record: bytes, build_id: str, mark_complete: Callable[[], None]) -> None:
-        """The dataset was written in place: its record goes in, then it is marked complete (its
-        last write), then the work objects go."""
+    def publish(self, files: Mapping[str, bytes], build_id: str, mark_complete: Callable[[], None]) -> None:
+        """The dataset was written in place: its record and build info go in, then it is marked
+        complete (its last write), then the work objects go."""
         with signals_ignored():
-            self.fs.pipe_file(storage.fs_path(self.paths.record_url), record)
+            for name, data in files.items():
+                self.fs.pipe_file(storage.fs_path(f"{self.paths.url}/{name}"), data)
             self.fs.pipe_file(self._work_key(PUBLISHING), build_id.encode())
             mark_complete()
             self._finish_publish()

@@ -19,7 +19,9 @@ from batchctl.errors import FormatError
 from batchctl.store import journal, storage
 from batchctl.store.zarrmeta import ArrayMeta, DatasetFiles
 
-FORMAT_VERSION = 2  # 2: `source` as UTF-8 bytes in a uint8 array (core Zarr v3 types only)
+FORMAT_VERSION = 3  # 3: the documents hold nothing of the build but its content (`digest`); 2: `source` as UTF-8 bytes
+READABLE_VERSIONS = (2, 3)  # a version 2 dataset reads as before; a build builds version 3 anew
+BUILD_INFO = "batchctl.build.json"  # in a dataset: when, from where and by what it was built (`BuildInfo`)
 ATTRS_KEY = "batchctl"
 SOURCE = "source"
 SOURCE_INDEX = "source_index"
@@ -83,7 +85,9 @@ def parse_compression(name: str) -> str:
 
 @dataclass
 class DatasetAttrs:
-    """The group attributes under "batchctl"; `complete` is set true last of all."""
+    """The group attributes under "batchctl"; `complete` is set true last of all. Nothing here
+    depends on when, where or by how many workers the dataset was built: the build's own facts
+    are in `BuildInfo`, beside it."""
 
     batch_size: int
     shard_batches: int
@@ -91,12 +95,7 @@ class DatasetAttrs:
     classes: list[str] | None
     preprocess: dict[str, Any]
     compression: str
-    batchctl_version: str
-    created: str
-    source: str
-    fingerprint: str = ""
-    build_id: str = ""  # unique to the build that wrote this version; its record (inside it) names it too
-    record_sha256: str = ""  # the SHA-256 of that record's bytes: a record that differs is not this dataset's
+    digest: str = ""  # of the dataset's content (`batchctl.store.digest`): the version a reader names
     complete: bool = False
     num_samples: int = 0
     num_batches: int = 0
@@ -110,14 +109,23 @@ class DatasetAttrs:
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
+    @property
+    def build_id(self) -> str:
+        """The dataset's version, as readers and caches name it: its content digest (a version 2
+        dataset's random build id)."""
+        return self.digest
+
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> DatasetAttrs:
         version = raw.get("format_version")
-        if version != FORMAT_VERSION:
+        if version not in READABLE_VERSIONS:
             raise FormatError(f"Expected batchctl format_version {FORMAT_VERSION}, got {version!r} instead.")
         known = {f for f in cls.__dataclass_fields__}
+        given = {k: v for k, v in raw.items() if k in known}
+        if version == 2:
+            given["digest"] = raw.get("build_id", "")
         try:
-            attrs = cls(**{k: v for k, v in raw.items() if k in known})
+            attrs = cls(**given)
         except TypeError as exc:
             raise FormatError(f"batchctl attributes are incomplete: {exc}") from exc
         try:
@@ -131,15 +139,7 @@ class DatasetAttrs:
         journal.whole(self.batch_size, "batch_size", 1)
         for name in ("shard_batches", "num_samples", "num_batches", "num_shards", "errors", "ignored"):
             journal.whole(getattr(self, name), name)
-        for name in (
-            "compression",
-            "batchctl_version",
-            "created",
-            "source",
-            "fingerprint",
-            "build_id",
-            "record_sha256",
-        ):
+        for name in ("compression", "digest"):
             if not isinstance(getattr(self, name), str):
                 raise FormatError(f"{name} is {getattr(self, name)!r}, not a string")
         if not isinstance(self.complete, bool) or not isinstance(self.preprocess, dict):
@@ -164,6 +164,39 @@ class DatasetAttrs:
     @property
     def layout(self) -> Layout:
         return Layout(self.batch_size, self.shard_batches)
+
+
+@dataclass(frozen=True)
+class BuildInfo:
+    """`batchctl.build.json` in a dataset: the facts of the build that made it, kept out of the
+    Zarr documents so two builds of the same files on two machines hold the same documents.
+    `fingerprint` says what it was built from (paths, sizes, mtimes, options: a rerun finds it
+    up to date by it); `record_sha256` vouches for the record beside it. No time is kept
+    anywhere in a dataset: a rebuild of the same files on the same machine is the same bytes."""
+
+    digest: str
+    batchctl_version: str
+    source: str
+    fingerprint: str
+    record_sha256: str
+
+    def to_bytes(self) -> bytes:
+        return (json.dumps(asdict(self), indent=2) + "\n").encode()
+
+
+def read_build_info(location: str, storage_options: Mapping[str, Any] | None = None) -> BuildInfo | None:
+    """The build info in the dataset at `location`, or None when there is none (or it is not
+    of batchctl's form: nothing is trusted from it then)."""
+    try:
+        if storage.is_url(location):
+            fs, root = storage.locate(location, storage_options)
+            raw = json.loads(fs.cat_file(f"{root}/{BUILD_INFO}"))
+        else:
+            raw = json.loads((Path(location) / BUILD_INFO).read_bytes())
+        info = BuildInfo(**{name: raw[name] for name in BuildInfo.__dataclass_fields__})
+    except Exception:  # noqa: BLE001 - missing, unreadable, not JSON, not ours
+        return None
+    return info if all(isinstance(value, str) for value in asdict(info).values()) else None
 
 
 def num_batches(num_samples: int, batch_size: int) -> int:
