@@ -33,6 +33,8 @@ from batchctl.store import chunkread, format as fmt, metadata, storage, zarrmeta
 from batchctl.store.journal import BatchLine, FileRun, GroupLine
 from batchctl.store.storage import SourceRoot
 
+GROUPS = 64  # groups a build is cut into at least (each worker thread of a 16-thread cluster gets ~4)
+
 
 @dataclass(frozen=True)
 class GroupSpec:
@@ -225,25 +227,25 @@ class DaskRun:
             if cluster is not None:
                 cluster.close()
 
-    def _shard_batches(self, tasks: list[Task], schema: dict[str, metadata.FieldSpec], client: Any) -> int:
-        """The usual ~128 MiB shards, but small enough that every worker thread gets about four
-        groups: a group is one Dask task, and a data set of few shards would leave workers idle."""
+    def _shard_batches(self, tasks: list[Task], schema: dict[str, metadata.FieldSpec]) -> int:
+        """The usual ~128 MiB shards, but small enough for about GROUPS groups: a group is one
+        Dask task, and a data set of few shards would leave workers idle. Not the cluster's
+        size: a dataset must not depend on how many workers built it."""
         if self.job.shard_batches:
             return int(self.job.shard_batches)
-        threads = max(1, sum(client.nthreads().values()))
         batches = -(-sum(_expected_rows(task) for task in tasks) // self.job.batch_size)
-        spread = max(metadata.MIN_SHARD_BATCHES, -(-batches // (4 * threads)))
+        spread = max(metadata.MIN_SHARD_BATCHES, -(-batches // GROUPS))
         return int(min(metadata.default_shard_batches(self.job.batch_size, schema), spread))
 
     def _arrays(
-        self, tasks: list[Task], schema: dict[str, metadata.FieldSpec], rows: dict[str, np.ndarray], client: Any
+        self, tasks: list[Task], schema: dict[str, metadata.FieldSpec], rows: dict[str, np.ndarray]
     ) -> tuple[dict[str, zarrmeta.ArrayMeta], metadata.Layout]:
         """The staging arrays: there already (their layout stands), or created now."""
         arrays = self.files.arrays()
         if arrays:
             shard_rows = arrays[metadata.SOURCE].grid[0]
             return arrays, metadata.Layout(self.job.batch_size, shard_rows // self.job.batch_size)
-        layout = metadata.Layout(self.job.batch_size, self._shard_batches(tasks, schema, client))
+        layout = metadata.Layout(self.job.batch_size, self._shard_batches(tasks, schema))
         job = self.job
         return fmt.create_arrays(
             self.files, schema, layout, job.compression, job.labelled, job.source_bytes, rows
@@ -252,7 +254,7 @@ class DaskRun:
     def _run(
         self, tasks: list[Task], schema: dict[str, metadata.FieldSpec], rows: dict[str, np.ndarray], client: Any
     ) -> Finished:
-        arrays, layout = self._arrays(tasks, schema, rows, client)
+        arrays, layout = self._arrays(tasks, schema, rows)
         first = max((line.group for line in self.job.kept_groups), default=-1) + 1
         groups = plan_groups(tasks, layout.shard_rows, _expected_rows)
         for name, arr in arrays.items():  # sized for every group's shard up front: tasks write no metadata
