@@ -82,6 +82,23 @@ def check_goals(results: dict[str, Any]) -> list[tuple[str, bool]]:
                 best["samples_per_s"] > naive["samples_per_s"],
             )
         )
+    if "order" in results:
+        for row in results["order"]["rows"]:
+            placed, arrival = row["dispatch order"], row["arrival order"]
+            goals.append(
+                (
+                    f"{row['case']}: dispatch order within 3% of arrival order: {placed['samples_per_s']:.0f} "
+                    f"vs {arrival['samples_per_s']:.0f} samples/s ({row['rate_ratio']:.3f})",
+                    row["rate_ratio"] >= 0.97,
+                )
+            )
+            goals.append(
+                (
+                    f"{row['case']}: peak RSS with the reorder window <= 400 MiB: {placed['peak_rss_mib']:.0f} MiB "
+                    f"(arrival order {arrival['peak_rss_mib']:.0f})",
+                    placed["peak_rss_mib"] <= 400,
+                )
+            )
     if "tiny" in results:
         tiny = results["tiny"]
         rate = tiny["samples_per_s"]

@@ -145,13 +145,17 @@ def tree_cpu_s(cmd: list[str]) -> tuple[float, float]:
     return elapsed, _children_cpu_s() - before
 
 
-def run_measured(cmd: list[str], threads: Threads | None = None) -> tuple[float, int, subprocess.CompletedProcess[str]]:
+def run_measured(
+    cmd: list[str], threads: Threads | None = None, env: dict[str, str] | None = None
+) -> tuple[float, int, subprocess.CompletedProcess[str]]:
     """Wall time and peak tree RSS of a command (and, given `threads`, each thread's CPU); each
     starts with no dirty pages left by the one before (its writeback would otherwise slow the
     next run: 2 workers measured 0.6x of 1)."""
     os.sync()
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}
+    )
     peak = 0
     stop = threading.Event()
 
@@ -557,7 +561,7 @@ def main() -> None:
     parser.add_argument("--audio-seconds", type=int, default=3600)
     parser.add_argument(
         "--only",
-        choices=["images", "tiny", "startup", "incremental", "big_npy", "big_audio", "read", "remote"],
+        choices=["images", "order", "tiny", "startup", "incremental", "big_npy", "big_audio", "read", "remote"],
         action="append",
     )
     args = parser.parse_args()
@@ -568,9 +572,27 @@ def main() -> None:
     }
     with tempfile.TemporaryDirectory(prefix="batchctl-bench-") as tmp:
         root = Path(tmp)
-        todo = args.only or ["images", "tiny", "startup", "incremental", "big_npy", "big_audio", "read", "remote"]
+        todo = args.only or [
+            "images",
+            "order",
+            "tiny",
+            "startup",
+            "incremental",
+            "big_npy",
+            "big_audio",
+            "read",
+            "remote",
+        ]
         if "images" in todo:
             bench_images(root, args.images, results)
+        if "order" in todo:
+            from order import bench_order
+
+            photos = root / "images"
+            if not photos.exists():
+                make_image_folder(photos, args.images, sides=(300, 900))
+            command = lambda src, out, *extra: batchctl_cmd(src, out, CORES, *extra)  # noqa: E731
+            bench_order(root, photos, args.images, results, command, run_measured)
         if "tiny" in todo:
             bench_tiny(root, args.tiny, results)
         if "startup" in todo:

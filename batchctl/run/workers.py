@@ -215,7 +215,8 @@ class BoundedFeed:
         while True:
             with self._changed:
                 while not (self._stopped or self._may_dispatch()):
-                    self._changed.wait(HELD_POLL_S)  # the collator's holdings change in another process
+                    # held back by the collator's holdings, which change in another process: look again soon
+                    self._changed.wait(HELD_POLL_S if self._held_back() else None)
                 if self._stopped:
                     return
                 _, chunk = self._todo.popleft()
@@ -228,6 +229,9 @@ class BoundedFeed:
         if not self._reorder_bytes or self._todo[0][0] <= min(self._unfinished, default=0):
             return True
         return self._held() < self._reorder_bytes
+
+    def _held_back(self) -> bool:
+        return bool(self._todo) and self._in_flight < self._window
 
     def consumed(self, position: int) -> None:
         """The results of the chunk at `position` (in the dispatch order) are in."""

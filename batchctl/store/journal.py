@@ -234,7 +234,6 @@ class Journaled:
                 found[run.key] = Written(rows + run.rows, done or run.finished, run.size, run.mtime_ns)
         return found
 
-
     def _lines_with_rows(self) -> list[BatchLine | GroupLine]:
         return [*self.kept, *self.groups]
 
