@@ -272,18 +272,19 @@ class _Builder:
         if retry:  # files lost with their worker: the next run must not find this dataset up to date
             fingerprint = discovery.fingerprint([self.spec, discovery.classes], leave_out=retry, digests=self.digests)
         origin = self._origin(discovery)
-        record = record_of(
-            origin,
-            self._batches(discovery),
-            finished,
-            discovery.items,
-            self.report.errors,
-            self.paths,
-            self.digests,
-        )
+        journal = resolve_journal(self.work.read_journal(self.options.batch_size), self.options.batch_size)
+        batches = journal.batches if self.options.engine == "local" else self._batches_from_columns(discovery)
+        record = record_of(origin, batches, finished, discovery.items, self.report.errors, self.paths, self.digests)
         notes = self.preprocessor.describe(self.pp_options) if self.preprocessor.describe else {}
         attrs = dataset_attrs(origin, self.report.errors, finished)
-        self.report.digest = publish(self.work, self.paths, attrs, record, notes, fingerprint)
+        arrays = self.paths.staging_files.arrays()
+        known = {
+            arrays[name].shard_key(shard): found
+            for shard, hashes in journal.sha256.items()
+            for name, found in hashes.items()
+            if name in arrays
+        }
+        self.report.digest = publish(self.work, self.paths, attrs, record, notes, fingerprint, known)
         for warning in self.work.warnings:
             self.progress.info(warning)
         self.report.samples = finished.samples
@@ -292,15 +293,13 @@ class _Builder:
         self.report.bytes = storage.tree_bytes(self.output, self.options.storage_options)
         return self._end("complete")
 
-    def _batches(self, discovery: Discovery) -> list[BatchLine]:
-        """The dataset's batches, for its record: the local engine's journal; a Dask build's, whose
-        rows the client moved about, read from its `source` columns."""
-        size = self.options.batch_size
-        if self.options.engine == "local":
-            return list(resolve_journal(self.work.read_journal(size), size).batches)
+    def _batches_from_columns(self, discovery: Discovery) -> list[BatchLine]:
+        """A Dask build's batches, for its record: the client moved its rows about, so they are
+        read from its `source` columns."""
         from batchctl.run.dask_engine import batches_from_columns
 
-        return batches_from_columns(self.paths, size, {item.relpath: item for item in discovery.items})
+        stamps = {item.relpath: item for item in discovery.items}
+        return batches_from_columns(self.paths, self.options.batch_size, stamps)
 
     def _origin(self, discovery: Discovery) -> Origin:
         return Origin(

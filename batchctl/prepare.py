@@ -95,9 +95,13 @@ def read_published(paths: BuildPaths, keep_tail: bool) -> Published:
     attrs = meta.read_dataset_attrs(paths.url, paths.storage_options)
     if attrs is None or not attrs.complete:
         return Published(attrs)
+    info = meta.read_build_info(paths.url, paths.storage_options)
+    if info is not None and info.digest != attrs.digest:
+        info = None  # not this version's
     try:
-        record = _read_record(paths, attrs)
-        width = DatasetFiles(paths.url, paths.storage_options).arrays()[meta.SOURCE].shape[1] if record else 0
+        arrays = DatasetFiles(paths.url, paths.storage_options).arrays()
+        record = _read_record(paths, attrs, info.record_sha256 if info else "")
+        width = arrays[meta.SOURCE].shape[1] if record else 0
     except FormatError as exc:
         return Published(attrs, record_problem=str(exc))
     except (KeyError, IndexError):
@@ -108,14 +112,18 @@ def read_published(paths: BuildPaths, keep_tail: bool) -> Published:
         tail = _tail_chunks(paths, record) if keep_tail else {}
     except (OSError, FormatError) as exc:
         return Published(attrs, record_problem=f"its last shard cannot be kept open ({exc})")
-    return Published(attrs, record, source_width=width, tail_chunks=tail)
+    hashes = {
+        (name, shard): info.shards[arr.shard_key(shard)]
+        for name, arr in arrays.items()
+        for shard in range(attrs.num_shards)
+        if info is not None and arr.shard_key(shard) in info.shards
+    }  # the next digest reads none of the kept shards again
+    return Published(attrs, record, source_width=width, tail_chunks=tail, shard_sha256=hashes)
 
 
-def _read_record(paths: BuildPaths, attrs: meta.DatasetAttrs) -> Record | None:
+def _read_record(paths: BuildPaths, attrs: meta.DatasetAttrs, sha256: str) -> Record | None:
     """The dataset's record: inside it, or beside it for a dataset an earlier batchctl published
-    (its hash in the build info, where there is one, vouches for it)."""
-    info = meta.read_build_info(paths.url, paths.storage_options)
-    sha256 = info.record_sha256 if info is not None and info.digest == attrs.digest else ""
+    (`sha256`, from the build info where there is one, vouches for it)."""
     for where in (paths.record_url, paths.old_record_url):
         found = read_record(where, paths.storage_options, attrs.build_id, sha256)
         if found is not None:

@@ -97,14 +97,15 @@ def publish(
     record: Record,
     notes: meta.ArrayNotes,
     fingerprint: str,
+    known: Mapping[str, str],
 ) -> str:
     """Give the staging dataset its final array documents and its digest, then mark it complete
     (its last write) and move it, its record and its build info into place. `notes`: the
-    preprocessor's words on its arrays; `fingerprint`: what a rerun finds it up to date by.
-    Returns the digest."""
+    preprocessor's words on its arrays; `fingerprint`: what a rerun finds it up to date by;
+    `known`: the shard files' hashes the writers took (the others are read). Returns the digest."""
     files = paths.staging_files
     arrays = meta.describe_arrays(files, attrs.classes, notes)
-    attrs.digest = content_digest(files, arrays, attrs)
+    attrs.digest, shards = content_digest(files, arrays, attrs, known)
     raw = record_bytes(replace(record, build_id=attrs.digest))
     info = meta.BuildInfo(
         digest=attrs.digest,
@@ -112,6 +113,7 @@ def publish(
         source=record.source,
         fingerprint=fingerprint,
         record_sha256=hashlib.sha256(raw).hexdigest(),
+        shards=shards,
     )
 
     def mark_complete() -> None:

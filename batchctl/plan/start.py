@@ -79,6 +79,7 @@ class Published:
     record_problem: str = ""  # why its record is not used ("" when none is there or it is fine)
     source_width: int = 0  # its `source` column's width
     tail_chunks: Mapping[str, tuple[Chunk, ...]] = field(default_factory=dict)  # its short last shard's chunks
+    shard_sha256: Mapping[tuple[str, int], str] = field(default_factory=dict)  # (array, shard) -> its file's hash
 
 
 @dataclass(frozen=True)
@@ -137,7 +138,7 @@ def plan_start(request: Request, interrupted: Interrupted | None, published: Cal
     found = _incremental_plan(request, facts, notes)
     if found is not None:
         plan, record = found
-        seed, state = _seed(request, plan, record, facts.tail_chunks)
+        seed, state = _seed(request, plan, record, facts)
         kept = resolve(seed.lines, request.batch_size)  # every kept shard is there: it was just put there
         started = _resumed(request, state, kept, (plan, record), None, notes)
         if started is not None:
@@ -260,7 +261,7 @@ def _still_there(interrupted: Interrupted) -> Journaled:
         batches, partial = batches[:cut], None
     if not interrupted.partial_decodes:
         partial = None
-    return Journaled(batches, partial, done)
+    return Journaled(batches, partial, done, sha256=journal.sha256)
 
 
 def _groups_there(interrupted: Interrupted) -> Journaled:
@@ -270,7 +271,7 @@ def _groups_there(interrupted: Interrupted) -> Journaled:
         raise Untrusted(interrupted.problem)
     journal = interrupted.journal
     groups = tuple(line for line in journal.groups if line.group in interrupted.groups_present)
-    return Journaled(journal.batches, None, journal.done_shards, groups)
+    return Journaled(journal.batches, None, journal.done_shards, groups, journal.sha256)
 
 
 def _incremental_plan(request: Request, published: Published, notes: list[str]) -> tuple[Plan, Record] | None:
@@ -314,22 +315,24 @@ def _plan(request: Request, record: Record) -> Plan:
     return incremental.plan(record, list(request.items), request.digests, request.checksum, request.keep_tail)
 
 
-def _seed(
-    request: Request, plan: Plan, record: Record, tail_chunks: Mapping[str, tuple[Chunk, ...]]
-) -> tuple[Seed, State]:
+def _seed(request: Request, plan: Plan, record: Record, published: Published) -> tuple[Seed, State]:
     """The staging dataset an incremental build starts from: the previous dataset's kept shards
-    renumbered 0..K-1 and journaled as finished (the open tail's batches with their chunks' places,
-    read from its shard index), and the state naming the record it builds on."""
+    renumbered 0..K-1 and journaled as finished, with their files' hashes (the open tail's batches
+    with their chunks' places, read from its shard index), and the state naming the record it
+    builds on."""
     lines: list[Line] = []
     tail = len(plan.done_shards)
     for batch in plan.kept_batches:
         position = batch.batch % record.shard_batches
         if batch.shard == tail:  # the open tail
-            lines.append(replace(batch, chunks={name: spots[position] for name, spots in tail_chunks.items()}))
+            chunks = {name: spots[position] for name, spots in published.tail_chunks.items()}
+            lines.append(replace(batch, chunks=chunks))
             continue
         lines.append(batch)
         if position == record.shard_batches - 1:
-            lines.append(ShardDone(batch.shard))
+            old = plan.kept_shards[batch.shard]
+            hashes = {name: found for (name, shard), found in published.shard_sha256.items() if shard == old}
+            lines.append(ShardDone(batch.shard, hashes))
     seeded = Seeded(record.build_id, record.sha256, request.carry_from, tail, plan.kept_samples)
     state = State(request.spec, request.source, request.classes, request.engine, seeded)
     carried = tuple(sorted({run.shard for run in plan.carry}))

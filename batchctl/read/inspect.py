@@ -104,7 +104,7 @@ def _digest_problems(ds: Dataset) -> list[Problem]:
     if ds.attrs.format_version < 3 or not ds.attrs.complete:
         return []
     files = zarrmeta.DatasetFiles(ds.path, ds.storage_options)
-    found = content_digest(files, files.arrays(), ds.attrs)
+    found, _ = content_digest(files, files.arrays(), ds.attrs)
     if found == ds.attrs.digest:
         return []
     published = ds.attrs.digest

@@ -109,6 +109,7 @@ class Collator:
         self.in_flight: deque[_InFlight] = deque()
         self.spare: list[dict[str, np.ndarray]] = []  # batch buffers free to be filled again
         self.threads = ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="batchctl-write")
+        self.hashing = ThreadPoolExecutor(1, thread_name_prefix="batchctl-hash")  # shard files hashed in order
         self.last_sync = time.monotonic()
         if self.arrays:
             self._adopt_existing()
@@ -290,6 +291,7 @@ class Collator:
                 shard = self.open[name]
                 offset, nbytes = shard.reserve(sum(len(piece) for piece in chunk_pieces))
                 item.chunks[name] = (offset, nbytes)
+                item.writing.append(self.hashing.submit(shard.hash, chunk_pieces))
                 for start, data in _slices(chunk_pieces, offset):
                     item.writing.append(self.threads.submit(shard.write, start, data))
         while self.in_flight and self.in_flight[0].writing is not None:
@@ -330,8 +332,10 @@ class Collator:
         self._settle()
         for open_shard in self.open.values():
             open_shard.finish(self._shard_batches())
+        hashes = {name: open_shard.sha256() for name, open_shard in self.open.items()}
         self.open = {}
-        self.unjournaled.append(ShardDone(self.open_index))
+        known = {name: found for name, found in hashes.items() if found is not None}
+        self.unjournaled.append(ShardDone(self.open_index, known if len(known) == len(hashes) else {}))
         self._journal()
 
     def _journal(self) -> None:
@@ -347,6 +351,7 @@ class Collator:
         if self.open:
             self._close_shards()
         self.threads.shutdown()
+        self.hashing.shutdown()
         for name, arr in self.arrays.items():
             self.arrays[name] = arr.resized(self.samples)
             self.files.write_array(self.arrays[name])
@@ -365,6 +370,7 @@ class Collator:
         for shard in self.open.values():
             shard.close()
         self.threads.shutdown()
+        self.hashing.shutdown()
         return Stopped(self.samples)
 
 

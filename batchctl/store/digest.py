@@ -2,6 +2,11 @@
 and its batchctl attributes (docs/format.md, "The digest"). Two builds of the same files with
 the same options give the same digest whatever their workers, engine or interruptions; a
 build publishes it (`digest` in the attributes, the report and `info`), `verify` recomputes it.
+
+A build does not read its shards back for it: the collator hashes each shard file as it writes
+it (`journal.ShardDone.sha256`), and an incremental build takes the hashes of the shards it keeps
+from the last build's info; only a shard no one hashed whole (resumed half-written, or written
+by Dask tasks) is read here.
 """
 
 from __future__ import annotations
@@ -21,22 +26,35 @@ DIGEST_VERSION = 1
 HASH_THREADS = 8  # hashlib releases the GIL on big buffers; the shards are read and hashed side by side
 
 
-def content_digest(files: DatasetFiles, arrays: Mapping[str, ArrayMeta], attrs: DatasetAttrs) -> str:
+def shard_keys(arrays: Mapping[str, ArrayMeta], num_samples: int) -> dict[str, list[str]]:
+    """Every shard file a dataset of `num_samples` rows holds, by array, in shard order."""
+    found = {}
+    for name, arr in arrays.items():
+        shards = -(-num_samples // arr.grid[0]) if arr.grid[0] else 0
+        found[name] = [arr.shard_key(shard) for shard in range(shards)]
+    return found
+
+
+def content_digest(
+    files: DatasetFiles, arrays: Mapping[str, ArrayMeta], attrs: DatasetAttrs, known: Mapping[str, str] | None = None
+) -> tuple[str, dict[str, str]]:
     """The digest of the dataset in `files` whose final attributes are `attrs` (their own
-    `digest` left out). A shard file that is missing counts as such."""
-    keys = []
-    for name in sorted(arrays):
-        arr = arrays[name]
-        shards = -(-attrs.num_samples // arr.grid[0]) if arr.grid[0] else 0
-        keys += [f"{name}/{ZARR_JSON}", *(arr.shard_key(shard) for shard in range(shards))]
+    `digest` left out), and each shard file's SHA-256: taken from `known` where given, else read.
+    A shard file that is missing counts as such."""
+    keys = shard_keys(arrays, attrs.num_samples)
+    known = known or {}
+    todo = [key for name in sorted(keys) for key in keys[name] if key not in known]
     with ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="batchctl-digest") as pool:
-        hashes = list(pool.map(lambda key: _file_sha256(files, key), keys))
+        read = dict(zip(todo, pool.map(lambda key: _file_sha256(files, key), todo), strict=True))
+    shards = {key: known.get(key) or read[key] for name in keys for key in keys[name]}
     whole = hashlib.sha256(f"batchctl dataset digest {DIGEST_VERSION}\n".encode())
-    for key, found in zip(keys, hashes, strict=True):
-        whole.update(f"{key} {found}\n".encode())
+    for name in sorted(keys):
+        whole.update(f"{name}/{ZARR_JSON} {_file_sha256(files, f'{name}/{ZARR_JSON}')}\n".encode())
+        for key in keys[name]:
+            whole.update(f"{key} {shards[key]}\n".encode())
     own = json.dumps(dataclasses.asdict(dataclasses.replace(attrs, digest="")), sort_keys=True, separators=(",", ":"))
     whole.update(f"attributes {hashlib.sha256(own.encode()).hexdigest()}\n".encode())
-    return whole.hexdigest()
+    return whole.hexdigest(), shards
 
 
 def _file_sha256(files: DatasetFiles, key: str) -> str:

@@ -60,9 +60,12 @@ class BatchLine:
 
 @dataclass(frozen=True)
 class ShardDone:
-    """Shard `shard` is finished: every batch of it is journaled and its index written."""
+    """Shard `shard` is finished: every batch of it is journaled and its index written.
+    `sha256`: each array's shard file's SHA-256, where the writer hashed it whole as it wrote it
+    (the dataset's digest is made from these; a shard without one is read back to hash it)."""
 
     shard: int
+    sha256: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -81,7 +84,7 @@ Line = BatchLine | ShardDone | GroupLine
 def to_json(line: Line, chunks: bool = True) -> dict[str, Any]:
     """A line as it is written (`chunks=False`: as the record holds a batch)."""
     if isinstance(line, ShardDone):
-        return {"shard_done": line.shard}
+        return {"shard_done": line.shard, **({"sha256": dict(line.sha256)} if line.sha256 else {})}
     files = [list(run) for run in line.files]
     if isinstance(line, GroupLine):
         return {"group": line.group, "full": line.full, "rows": line.rows, "files": files}
@@ -96,7 +99,11 @@ def parse_line(value: Any, batch_size: int) -> Line:
     """Any line of a journal: a batch written, a shard finished, or a Dask group finished."""
     entry = mapping(value, "the line")
     if "shard_done" in entry:
-        return ShardDone(whole(entry["shard_done"], "shard_done"))
+        hashes = mapping(entry.get("sha256", {}), "sha256")
+        for name, found in hashes.items():
+            if not isinstance(found, str) or len(found) != 64:
+                raise Untrusted(f"the SHA-256 of {name!r} is {found!r}")
+        return ShardDone(whole(entry["shard_done"], "shard_done"), hashes)
     if "group" in entry:
         group = whole(entry["group"], "group", -1)
         if not isinstance(entry.get("full"), bool):
@@ -199,6 +206,7 @@ class Journaled:
     partial: BatchLine | None = None
     done_shards: int = 0
     groups: tuple[GroupLine, ...] = ()
+    sha256: Mapping[int, Mapping[str, str]] = field(default_factory=dict)  # finished shard -> its files' hashes
 
     def lines(self) -> list[Line]:
         """The journal of just this, in order."""
@@ -207,7 +215,7 @@ class Journaled:
             out.append(batch)
             following = self.batches[number + 1].shard if number + 1 < len(self.batches) else None
             if batch.shard < self.done_shards and following != batch.shard:
-                out.append(ShardDone(batch.shard))
+                out.append(ShardDone(batch.shard, self.sha256.get(batch.shard, {})))
         return out + ([self.partial] if self.partial else []) + list(self.groups)
 
     @property
@@ -245,9 +253,12 @@ def resolve(lines: Sequence[Line], batch_size: int) -> Journaled:
     the form)."""
     batches: list[BatchLine] = []
     groups: list[GroupLine] = []
+    hashes: dict[int, Mapping[str, str]] = {}
     done = 0
     for line in lines:
         if isinstance(line, ShardDone):
+            if line.shard == done and line.sha256:
+                hashes[done] = line.sha256
             done += line.shard == done
         elif isinstance(line, GroupLine):
             groups.append(line)
@@ -264,7 +275,7 @@ def resolve(lines: Sequence[Line], batch_size: int) -> Journaled:
     partial = None
     if batches and batches[-1].rows < batch_size and batches[-1].shard >= done:  # not a closed final shard
         partial = batches.pop()
-    return Journaled(tuple(batches), partial, done, tuple(groups))
+    return Journaled(tuple(batches), partial, done, tuple(groups), hashes)
 
 
 @dataclass(frozen=True)

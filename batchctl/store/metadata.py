@@ -179,6 +179,7 @@ class BuildInfo:
     source: str
     fingerprint: str
     record_sha256: str
+    shards: dict[str, str] = field(default_factory=dict)  # each shard file's SHA-256, by key
 
     def to_bytes(self) -> bytes:
         return (json.dumps(asdict(self), indent=2) + "\n").encode()
@@ -193,10 +194,14 @@ def read_build_info(location: str, storage_options: Mapping[str, Any] | None = N
             raw = json.loads(fs.cat_file(f"{root}/{BUILD_INFO}"))
         else:
             raw = json.loads((Path(location) / BUILD_INFO).read_bytes())
-        info = BuildInfo(**{name: raw[name] for name in BuildInfo.__dataclass_fields__})
+        info = BuildInfo(**{name: raw[name] for name in BuildInfo.__dataclass_fields__ if name in raw})
     except Exception:  # noqa: BLE001 - missing, unreadable, not JSON, not ours
         return None
-    return info if all(isinstance(value, str) for value in asdict(info).values()) else None
+    texts = [value for name, value in asdict(info).items() if name != "shards"]
+    hashes = info.shards if isinstance(info.shards, dict) else None
+    if hashes is None or not all(isinstance(v, str) for v in [*texts, *hashes, *hashes.values()]):
+        return None
+    return info
 
 
 def num_batches(num_samples: int, batch_size: int) -> int:
