@@ -82,6 +82,16 @@ def check_goals(results: dict[str, Any]) -> list[tuple[str, bool]]:
                 best["samples_per_s"] > naive["samples_per_s"],
             )
         )
+    if "real_photos" in results:
+        rows = {row["tool"]: row["samples_per_s"] for row in results["real_photos"]["rows"]}
+        ours = rows["batchctl build (whole process)"]
+        fifty = rows["the 50-line design (pool start in)"]
+        goals.append((f"real photos: batchctl >= the 50-line design: {ours / fifty:.2f}x", ours >= fifty))
+        whole = rows.get("LitData optimize() (whole process)")
+        if whole:
+            goals.append(
+                (f"real photos: batchctl >= 1.5 x LitData (whole processes): {ours / whole:.2f}x", ours >= 1.5 * whole)
+            )
     if "order" in results:
         for row in results["order"]["rows"]:
             placed, arrival = row["dispatch order"], row["arrival order"]

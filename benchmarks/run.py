@@ -351,20 +351,28 @@ if __name__ == "__main__":
 """
 
 
-def litdata_rows(root: Path, src: Path, count: int, r: float) -> list[dict[str, Any]]:
-    """LitData's `optimize()` on the same files with the same preprocessing and CORES workers,
-    timed as a whole process and as the call alone; nothing when LitData is not installed
+def litdata_seconds(root: Path, src: Path, out: Path) -> tuple[float, float, int] | None:
+    """LitData's `optimize()` on SRC's files with the same preprocessing and CORES workers: the
+    whole process's seconds, the call's alone and the peak RSS; None when LitData is not installed
     (`pip install torch==2.13.0 litdata`, torch pinned first: unpinned, it pulls several GB)."""
     try:
         import litdata  # noqa: F401
     except ImportError:
         print("[info] LitData is not installed here: its rows are left out (pip install torch==2.13.0 litdata)")
-        return []
+        return None
     job = root / "litdata_job.py"
     job.write_text(LITDATA_JOB)
-    out = root / "litdata_out"
     elapsed, peak, proc = run_measured([sys.executable, str(job), str(src), str(out), str(CORES)])
     call = float(next(line.split()[1] for line in proc.stdout.splitlines() if line.startswith("OPTIMIZE_S")))
+    return elapsed, call, peak
+
+
+def litdata_rows(root: Path, src: Path, count: int, r: float) -> list[dict[str, Any]]:
+    out = root / "litdata_out"
+    found = litdata_seconds(root, src, out)
+    if found is None:
+        return []
+    elapsed, call, peak = found
     return [
         rate_row("LitData optimize() (whole process)", CORES, count / elapsed, r, peak, out),
         rate_row("LitData optimize() (the call alone)", CORES, count / call, r),
@@ -553,6 +561,20 @@ def bench_big_audio(root: Path, seconds: int, results: dict[str, Any]) -> None:
     results["big_audio"] = {"seconds": seconds, **speedup}
 
 
+SECTIONS = [
+    "images",
+    "order",
+    "real_photos",
+    "tiny",
+    "startup",
+    "incremental",
+    "big_npy",
+    "big_audio",
+    "read",
+    "remote",
+]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--images", type=int, default=2000)
@@ -561,7 +583,7 @@ def main() -> None:
     parser.add_argument("--audio-seconds", type=int, default=3600)
     parser.add_argument(
         "--only",
-        choices=["images", "order", "tiny", "startup", "incremental", "big_npy", "big_audio", "read", "remote"],
+        choices=SECTIONS,
         action="append",
     )
     args = parser.parse_args()
@@ -572,17 +594,7 @@ def main() -> None:
     }
     with tempfile.TemporaryDirectory(prefix="batchctl-bench-") as tmp:
         root = Path(tmp)
-        todo = args.only or [
-            "images",
-            "order",
-            "tiny",
-            "startup",
-            "incremental",
-            "big_npy",
-            "big_audio",
-            "read",
-            "remote",
-        ]
+        todo = args.only or SECTIONS
         if "images" in todo:
             bench_images(root, args.images, results)
         if "order" in todo:
@@ -593,6 +605,23 @@ def main() -> None:
                 make_image_folder(photos, args.images, sides=(300, 900))
             command = lambda src, out, *extra: batchctl_cmd(src, out, CORES, *extra)  # noqa: E731
             bench_order(root, photos, args.images, results, command, run_measured)
+        if "real_photos" in todo:
+            from real_photos import bench_real_photos
+
+            def litdata(src: Path, out: Path) -> tuple[float, float] | None:
+                found = litdata_seconds(root, src, out)
+                return None if found is None else found[:2]
+
+            bench_real_photos(
+                root,
+                results,
+                lambda src, out, *extra: batchctl_cmd(src, out, CORES, *extra),
+                run_measured,
+                CORES,
+                litdata,
+                lambda files: serial_rate(files, preprocess_image),
+                serial_fraction,
+            )
         if "tiny" in todo:
             bench_tiny(root, args.tiny, results)
         if "startup" in todo:

@@ -1,12 +1,14 @@
 """Collate: the collator process assembles samples into batches and streams them into shards.
 
-It is the only writer of the dataset's arrays. Each batch, the moment it is full, is encoded and
-appended to its shard (one chunk per array, `batchctl.store.shards`); the shard's index is written when
-its last batch is in. About every second the shard files are fsynced and then the batches written
-since are journaled, so a build killed outright loses at most the last second or so. Stopped
-gracefully (the parent's `Stop`), it writes and journals its half-filled batch too, and a resumed
-build picks that batch up again. The first sample fixes the schema; samples that do not fit are
-rejected with the field and both shapes.
+It is the only writer of the dataset's arrays. Chunks of samples are placed in the dispatch
+order, whatever order the workers finish in (`Placement`, `batchctl.run.reorder`). Each batch, the
+moment it is full, is encoded and appended to its shard (one chunk per array,
+`batchctl.store.shards`), and each shard file is hashed as it is written; the shard's index is
+written when its last batch is in. About every second the shard files are fsynced and then the
+batches written since are journaled, so a build killed outright loses at most the last second or
+so. Stopped gracefully (the parent's `Stop`), it writes and journals its half-filled batch too,
+and a resumed build picks that batch up again. The first sample in dispatch order fixes the
+schema; samples that do not fit are rejected with the field and both shapes.
 """
 
 from __future__ import annotations
