@@ -27,7 +27,7 @@ from batchctl.errors import (
 )
 from batchctl.plan.discover import Discovery, discover, hash_files
 from batchctl.plan.options import BuildKwargs, BuildOptions, build_options, dataset_spec
-from batchctl.plan.start import Request, Start, plan_start
+from batchctl.plan.start import Request, Start, plan_start, untrusted_work
 from batchctl.plan.tasks import make_tasks
 from batchctl.prepare import prepare, read_interrupted, read_published
 from batchctl.preprocess import resolve
@@ -195,10 +195,7 @@ class _Builder:
             try:
                 interrupted = read_interrupted(self.paths, self.work, self.options.batch_size)
             except Untrusted as exc:
-                raise Untrusted(
-                    f"the interrupted build's work in {self.paths.workdir_url} is not what batchctl wrote ({exc}); "
-                    "rerun with --no-resume to start over"
-                ) from None
+                raise untrusted_work(self.paths.workdir_url, exc) from None
         start = plan_start(request, interrupted, lambda: read_published(self.paths, keep_tail))
         for note in start.notes:
             self.progress.info(note)

@@ -128,10 +128,7 @@ def plan_start(request: Request, interrupted: Interrupted | None, published: Cal
         try:
             resumed = _resume_interrupted(request, interrupted, notes)
         except Untrusted as exc:
-            raise Untrusted(
-                f"the interrupted build's work in {request.work_url} is not what batchctl wrote ({exc}); "
-                "rerun with --no-resume to start over"
-            ) from None
+            raise untrusted_work(request.work_url, exc) from None
         if resumed is not None:
             return resumed
     facts = published()
@@ -145,6 +142,14 @@ def plan_start(request: Request, interrupted: Interrupted | None, published: Cal
             return replace(started, how="incremental", seed=seed)
     fresh = State(request.spec, request.source, request.classes, request.engine)
     return Start("fresh", fresh, notes=tuple(notes))
+
+
+def untrusted_work(work_url: str, why: Untrusted) -> Untrusted:
+    """The one line for interrupted work that is not what batchctl wrote, read or planned."""
+    return Untrusted(
+        f"the interrupted build's work in {work_url} is not what batchctl wrote ({why}); "
+        "rerun with --no-resume to start over"
+    )
 
 
 def _resume_interrupted(request: Request, interrupted: Interrupted, notes: list[str]) -> Start | None:

@@ -153,8 +153,9 @@ def _send(tasks: tuple[int, ...], outputs: list[TaskOutput]) -> None:
     """Through this worker's ring slot where it can, else pickled through the pipe."""
     ring: SampleRing | None = _worker["ring"]
     slot = _worker["slot"]
-    usable = outputs and ring is not None and _worker["slots"].ring_usable(slot)
-    message = ring.put(slot, outputs) if usable and ring is not None else None
+    message = None
+    if outputs and ring is not None and _worker["slots"].ring_usable(slot):
+        message = ring.put(slot, outputs)
     _worker["outbox"].put(Sent(tasks, outputs if message is None else message))
 
 

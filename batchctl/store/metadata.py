@@ -10,14 +10,13 @@ import json
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from batchctl.errors import FormatError
-from batchctl.store import journal, storage
-from batchctl.store.zarrmeta import ArrayMeta, DatasetFiles
+from batchctl.store import journal
+from batchctl.store.zarrmeta import ZARR_JSON, ArrayMeta, DatasetFiles
 
 FORMAT_VERSION = 3  # 3: the documents hold nothing of the build but its content (`digest`); 2: `source` as UTF-8 bytes
 READABLE_VERSIONS = (2, 3)  # a version 2 dataset reads as before; a build builds version 3 anew
@@ -189,11 +188,7 @@ def read_build_info(location: str, storage_options: Mapping[str, Any] | None = N
     """The build info in the dataset at `location`, or None when there is none (or it is not
     of batchctl's form: nothing is trusted from it then)."""
     try:
-        if storage.is_url(location):
-            fs, root = storage.locate(location, storage_options)
-            raw = json.loads(fs.cat_file(f"{root}/{BUILD_INFO}"))
-        else:
-            raw = json.loads((Path(location) / BUILD_INFO).read_bytes())
+        raw = json.loads(DatasetFiles(location, storage_options or {}).read(BUILD_INFO))
         info = BuildInfo(**{name: raw[name] for name in BuildInfo.__dataclass_fields__ if name in raw})
     except Exception:  # noqa: BLE001 - missing, unreadable, not JSON, not ours
         return None
@@ -222,11 +217,7 @@ def read_dataset_attrs(location: str, storage_options: Mapping[str, Any] | None 
     """The batchctl attributes in the group `zarr.json` at `location` (complete or not), or None
     when there is no such file or it does not hold them."""
     try:
-        if storage.is_url(location):
-            fs, root = storage.locate(location, storage_options)
-            raw = fs.cat_file(f"{root}/zarr.json")
-        else:
-            raw = (Path(location) / "zarr.json").read_bytes()
+        raw = DatasetFiles(location, storage_options or {}).read(ZARR_JSON)
         return DatasetAttrs.from_json(json.loads(raw)["attributes"][ATTRS_KEY])
     except Exception:  # noqa: BLE001 - missing, unreadable, not JSON, not ours: no dataset to trust
         return None
