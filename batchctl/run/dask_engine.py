@@ -368,9 +368,8 @@ class DaskRun:
         for name, arr in arrays.items():
             arrays[name] = arr.resized(plan.total_rows)
             self.files.write_array(arrays[name])
-        fmt.remove_shards_from(
-            self.files, arrays, -(-plan.total_rows // layout.shard_rows)
-        )  # a longer previous build's shards past the end
+        # a longer previous build's shards past the end
+        fmt.remove_shards_from(self.files, arrays, -(-plan.total_rows // layout.shard_rows))
         spills = [read_spill(self.paths.spill_url(g.group), self.paths.storage_options) for g in spilled]
         for index, columns in zip(plan.spill_shards, spill_rows(spills, layout.shard_rows), strict=True):
             fmt.write_shard_at(self.files, arrays, layout, index, columns)
