@@ -165,7 +165,7 @@ def build(
     compression: Annotated[
         Compression,
         typer.Option(
-            help="auto: zstd for the fields it shrinks by more than a fifth, none for the rest; or one for "
+            help="auto: zstd for the fields it shrinks to half or less, none for the rest; or one for "
             "every field. Every chunk is checksummed.",
         ),
     ] = Compression.auto,
