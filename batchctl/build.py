@@ -235,7 +235,21 @@ class _Builder:
             ),
         )
         with semaphores_named_after(os.getpid()):  # what a SIGKILL of the whole group leaves, a later build sweeps
-            return Pipeline(config, self.progress, self.tally).run(tasks)
+            pipeline = Pipeline(config, self.progress, self.tally)
+            finished = pipeline.run(tasks)
+        self._time_stages(pipeline, finished)
+        return finished
+
+    def _time_stages(self, pipeline: Pipeline, finished: Finished) -> None:
+        """Where a local build's time went, for the report (`timings`)."""
+        timings = self.report.timings
+        if pipeline.dispatching is not None and pipeline.last_result is not None:
+            timings["start_s"] = pipeline.dispatching - self.started
+            timings["preprocess_s"] = pipeline.last_result - pipeline.dispatching
+            timings["finish_s"] = time.monotonic() - pipeline.last_result
+        timings.update(fsync_s=finished.fsync_s, writer_wait_s=finished.wait_s)
+        for name, seconds in timings.items():
+            timings[name] = round(seconds, 3)
 
     def _run_dask(self, discovery: Discovery, start: Start, tasks: list[Task]) -> Finished:
         from batchctl.run.dask_engine import DaskJob, DaskRun
@@ -281,7 +295,9 @@ class _Builder:
             for name, found in hashes.items()
             if name in arrays
         }
+        publishing = time.monotonic()
         self.report.digest = publish(self.work, self.paths, attrs, record, notes, fingerprint, known)
+        self.report.timings["publish_s"] = round(time.monotonic() - publishing, 3)
         for warning in self.work.warnings:
             self.progress.info(warning)
         self.report.samples = finished.samples

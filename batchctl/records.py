@@ -138,6 +138,8 @@ class Finished:
     shards: int
     shard_batches: int
     schema: dict[str, dict[str, Any]]
+    fsync_s: float = 0.0  # the collator's time making its shard files durable (fsync; a URL's PUT of each)
+    wait_s: float = 0.0  # the collator's time waiting for its writer threads
 
 
 @dataclass(frozen=True)

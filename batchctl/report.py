@@ -54,6 +54,12 @@ class BuildReport:
     ignored_paths: list[str] = field(default_factory=list)  # the first 1000 of them
     elapsed_s: float = 0.0
     samples_per_s: float = 0.0
+    # Where the time went (seconds): `start_s` (from the build's start until the first files could
+    # go to a worker), `preprocess_s` (until the last file's result), `finish_s` (until the
+    # collator wrote its last batches and the last shard's index), `publish_s`; and, within these,
+    # the collator's `fsync_s` (making shard files durable) and `writer_wait_s` (waiting for its
+    # writer threads). Local builds; a Dask build has `publish_s` alone.
+    timings: dict[str, float] = field(default_factory=dict)
     message: str = ""
     workers_seen: list[str] = field(default_factory=list)  # --engine dask: host:pid of each worker used
     in_place: bool = False  # the dataset at OUTPUT is being written in place (an object store has no rename)

@@ -113,6 +113,8 @@ class Collator:
         self.threads = ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="batchctl-write")
         self.hashing = ThreadPoolExecutor(1, thread_name_prefix="batchctl-hash")  # shard files hashed in order
         self.last_sync = time.monotonic()
+        self.fsync_s = 0.0  # time in fsync, and waiting for the writer threads (the build's report)
+        self.wait_s = 0.0
         if self.arrays:
             self._adopt_existing()
 
@@ -175,7 +177,7 @@ class Collator:
         """An empty batch: buffers a written batch gave back, else fresh ones (at most
         BATCHES_IN_FLIGHT + 1 sets in all: past that, wait for the oldest batch in flight)."""
         while not self.spare and len(self.in_flight) >= BATCHES_IN_FLIGHT:
-            self._advance(block=True)
+            self._wait_for_writers()
         if self.spare:
             return _Batch(self.spare.pop())
         assert self.schema is not None and self.layout is not None
@@ -311,7 +313,12 @@ class Collator:
     def _settle(self) -> None:
         """Wait until every batch handed over is written."""
         while self.in_flight:
-            self._advance(block=True)
+            self._wait_for_writers()
+
+    def _wait_for_writers(self) -> None:
+        started = time.monotonic()
+        self._advance(block=True)
+        self.wait_s += time.monotonic() - started
 
     def _open_shards(self, shard: int, chunks: dict[str, list[Chunk]]) -> None:
         self.open_index = shard
@@ -326,14 +333,18 @@ class Collator:
         if self.config.paths.remote:
             return
         self._settle()
+        started = time.monotonic()
         for shard in self.open.values():
             shard.sync()
+        self.fsync_s += time.monotonic() - started
         self._journal()
 
     def _close_shards(self) -> None:
         self._settle()
+        started = time.monotonic()
         for open_shard in self.open.values():
-            open_shard.finish(self._shard_batches())
+            open_shard.finish(self._shard_batches())  # its index, then fsync
+        self.fsync_s += time.monotonic() - started
         hashes = {name: open_shard.sha256() for name, open_shard in self.open.items()}
         self.open = {}
         known = {name: found for name, found in hashes.items() if found is not None}
@@ -360,7 +371,8 @@ class Collator:
         schema = {name: spec.to_json() for name, spec in (self.schema or {}).items()}
         shard_batches = self.layout.shard_batches if self.layout else 0
         batches = metadata.num_batches(self.samples, self.config.batch_size)
-        return Finished(self.samples, -(-batches // shard_batches) if shard_batches else 0, shard_batches, schema)
+        shards = -(-batches // shard_batches) if shard_batches else 0
+        return Finished(self.samples, shards, shard_batches, schema, round(self.fsync_s, 3), round(self.wait_s, 3))
 
     def stop(self) -> Stopped:
         """Write and journal the half-filled batch too; the shard stays open (no index), and a

@@ -107,6 +107,9 @@ class Pipeline:
         self.timed_out: set[int] = set()
         self.lost_workers = 0
         self.last_check = time.monotonic()
+        # when the first chunk could go to a worker, and when the last result came (monotonic)
+        self.dispatching: float | None = None
+        self.last_result: float | None = None
 
     def run(self, tasks: list[Task]) -> Finished:
         try:
@@ -148,12 +151,14 @@ class Pipeline:
             held = self.held
             self.feed = BoundedFeed(chunks, CHUNKS_PER_WORKER * cfg.workers, lambda: int(held.value), WINDOW_BYTES)
             results = self.pool.imap_unordered(run_chunk, self.feed)
+            self.dispatching = time.monotonic()
             while self.pending:
                 chunk_results = self._next_results(results)
                 if chunk_results is not None:
                     self.feed.consumed(self.position_of[chunk_results[0][0]])
                     self._chunk_done(chunk_results)
                 self._drain_events()
+            self.last_result = time.monotonic()
             self.feed.stop()
         self.inbox.put(End())  # after every worker's output: puts are complete when results return
         finished = self._wait_finished()

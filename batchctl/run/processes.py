@@ -36,7 +36,14 @@ from typing import Any
 from batchctl.errors import Signalled, UsageError, note_signal, quiet_unraisable_signals, raise_signalled
 
 # batchctl.run.forkserver_init first: it sets up the fork server before the heavy imports.
-PRELOAD = ["batchctl.run.forkserver_init", "batchctl.run.workers", "batchctl.run.collate", "numpy", "PIL.Image"]
+PRELOAD = [
+    "batchctl.run.forkserver_init",
+    "batchctl.run.workers",
+    "batchctl.run.collate",
+    "numpy",
+    "numcodecs",  # the collator's codecs: the modules that use them import them only when they do
+    "PIL.Image",
+]
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 PR_SET_PDEATHSIG = 1
 # A build runs one process per core already: a BLAS or OpenMP thread pool in each would only

@@ -13,7 +13,6 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-import numcodecs
 import numpy as np
 
 from batchctl.errors import DatasetReplacedError, FormatError
@@ -241,8 +240,12 @@ def decode_chunk(inner: list[str], data: memoryview, out: np.ndarray, where: str
         if crc32c(data) != int.from_bytes(stored_crc, "little"):
             raise FormatError(f"{where}: the chunk checksum does not match")
     if "zstd" in inner:
+        import numcodecs  # (imported at the first compressed chunk: a build's parent reads none)
+
         numcodecs.Zstd().decode(data, out=out)
     elif "blosc" in inner:
+        import numcodecs
+
         numcodecs.Blosc().decode(data, out=out)
     elif len(data) != out.nbytes:
         raise FormatError(f"{where}: the chunk holds {len(data)} bytes, not {out.nbytes}")

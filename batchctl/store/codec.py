@@ -10,7 +10,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import numcodecs
 import numpy as np
 
 from batchctl.errors import FormatError
@@ -66,6 +65,8 @@ class ChunkEncoder:
         names = [codec["name"] for codec in inner]
         config = inner[1].get("configuration") or {}
         self.compressor: Any = None
+        import numcodecs  # (~40 ms: a build's parent never encodes; the fork server preloads it)
+
         if names[1] == "zstd":
             self.compressor = numcodecs.Zstd(level=config.get("level", 0), checksum=config.get("checksum", False))
         elif names[1] == "blosc":

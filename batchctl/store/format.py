@@ -18,7 +18,6 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-import numcodecs
 import numpy as np
 
 from batchctl.errors import FormatError, IncompleteDatasetError
@@ -65,6 +64,8 @@ def field_compressions(
 
 
 def _zstd_pays(rows: np.ndarray | None, batch_size: int) -> bool:
+    import numcodecs  # (the collator's, preloaded by the fork server: a build's parent never measures)
+
     if rows is None or rows.nbytes == 0:
         return True
     row_bytes = max(1, rows[0].nbytes)
