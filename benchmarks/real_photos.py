@@ -9,7 +9,9 @@ is not installed (`pip install scikit-image scikit-learn`: bench only, never a t
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -22,7 +24,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 COUNT = 2400
 CLASSES = 6
-ROUNDS = 2
+ROUNDS = 4  # alternated: this shared machine's speed moves by 10-25% from one run to the next
 
 FIFTY_TIMED = """
 import sys, time
@@ -102,11 +104,13 @@ def bench_real_photos(
     rates: dict[str, list[float]] = {"batchctl build (whole process)": [], "the 50-line design (pool start in)": []}
     peaks: list[int] = []
     job = root / "fifty_timed.py"
-    for _ in range(ROUNDS):
+    job.write_text(FIFTY_TIMED.format(here=str(HERE), src=str(src), out=str(root / "fifty_real"), workers=workers))
+    for _ in range(ROUNDS):  # each run writes into an empty folder: neither deletes the last one's output
+        shutil.rmtree(root / "real.zarr", ignore_errors=True)
         elapsed, peak, _ = measure(command(src, root / "real.zarr"))
         rates["batchctl build (whole process)"].append(len(files) / elapsed)
         peaks.append(peak)
-        job.write_text(FIFTY_TIMED.format(here=str(HERE), src=str(src), out=str(root / "fifty_real"), workers=workers))
+        shutil.rmtree(root / "fifty_real", ignore_errors=True)
         _, _, proc = measure([sys.executable, str(job)])
         fifty_s = float(next(line.split()[1] for line in proc.stdout.splitlines() if line.startswith("FIFTY_S")))
         rates["the 50-line design (pool start in)"].append(len(files) / fifty_s)
@@ -137,8 +141,8 @@ def bench_real_photos(
         os.link(path, target)
     threads_n: dict[Any, Any] = {}
     threads_4n: dict[Any, Any] = {}
-    measure(command(quarter, root / "real_n.zarr"), threads_n)
-    measure(command(src, root / "real_4n.zarr"), threads_4n)
+    stages_n = measure_stages(command, measure, quarter, root / "real_n.zarr", threads_n)
+    stages_4n = measure_stages(command, measure, src, root / "real_4n.zarr", threads_4n)
     results["real_photos"] = {
         "files": len(files),
         "bytes": sum(path.stat().st_size for path in files),
@@ -147,5 +151,38 @@ def bench_real_photos(
         "rows": rows,
         "peak_rss_mib": round(max(peaks) / 2**20, 1),
         "stages": {"files_n": len(files) // 4, **stage_cpu(threads_n, threads_4n, 3)},
+        "stage_seconds": {"n": stages_n, "4n": stages_4n},
         "measured": time.strftime("%Y-%m-%d"),
+    }
+
+
+def measure_stages(
+    command: Callable[..., list[str]],
+    measure: Callable[..., tuple[float, int, Any]],
+    src: Path,
+    out: Path,
+    threads: dict[Any, Any],
+) -> dict[str, Any]:
+    """One build's wall time by stage (the report's `timings`; `process_s` is what the report
+    does not see: the interpreter's start, the imports and the exit) and the CPU seconds of each
+    thread role summed over its threads (workers, the collator's main thread, its writer and hash
+    threads, the parent)."""
+    report = out.with_suffix(".report.json")
+    shutil.rmtree(out, ignore_errors=True)
+    elapsed, peak, _ = measure(command(src, out, "--report", str(report)), threads)
+    found = json.loads(report.read_text())
+    cpu: dict[str, float] = {}
+    for role, seconds in threads.values():
+        process, thread = role.split("/", 1)  # (a process's name is cut to 15 characters)
+        if process == "batchctl-collat":
+            name = "collator main thread" if thread == "main" else "collator writer and hash threads"
+        else:
+            name = {"batchctl-worker": "workers", "parent": "parent"}.get(process, "fork server, resource tracker")
+        cpu[name] = cpu.get(name, 0.0) + seconds
+    return {
+        "elapsed_s": round(elapsed, 3),
+        "process_s": round(elapsed - found["elapsed_s"], 3),
+        **found["timings"],
+        "peak_rss_mib": round(peak / 2**20, 1),
+        "cpu_s": {name: round(seconds, 3) for name, seconds in sorted(cpu.items())},
     }
