@@ -89,7 +89,7 @@ def check_goals(results: dict[str, Any]) -> list[tuple[str, bool]]:
         goals.append((f"real photos: batchctl >= the 50-line design: {ours / fifty:.2f}x", ours >= fifty))
         for size, stages in results["real_photos"].get("stage_seconds", {}).items():
             cpu = ", ".join(f"{role} {seconds:.2f}" for role, seconds in stages["cpu_s"].items())
-            walls = ", ".join(f"{name} {stages[name]:.2f}" for name in stages if name.endswith("_s"))
+            walls = ", ".join(f"{name} {value:.2f}" for name, value in stages.items() if isinstance(value, float))
             print(f"[info] real photos, {size}: {walls} s; CPU s: {cpu}")
         whole = rows.get("LitData optimize() (whole process)")
         if whole:
