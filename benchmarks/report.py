@@ -28,9 +28,13 @@ def check_goals(results: dict[str, Any]) -> list[tuple[str, bool]]:
             )
         fifty = next((r for r in results["images"]["rows"] if r["tool"].startswith("the issue's 50-line")), None)
         if fifty is not None:
-            print(
-                f"[info] the issue's 50-line design: {fifty['ratio_to_ideal']:.2f} x W x r; batchctl builds at "
-                f"{best['samples_per_s'] / fifty['samples_per_s']:.2f} of its rate"
+            print(f"[info] the issue's 50-line design: {fifty['ratio_to_ideal']:.2f} x W x r")
+            goals.append(
+                (
+                    f"photos: batchctl >= the 50-line design (both whole processes, one run each): "
+                    f"{best['samples_per_s'] / fifty['samples_per_s']:.2f}x",
+                    best["samples_per_s"] >= fifty["samples_per_s"],
+                )
             )
         steady = results["images"].get("steady")
         if steady is not None:
@@ -69,8 +73,8 @@ def check_goals(results: dict[str, Any]) -> list[tuple[str, bool]]:
             )
             goals.append(
                 (
-                    f"ahead of LitData as whole processes: {best['samples_per_s'] / whole:.2f}x",
-                    best["samples_per_s"] > whole,
+                    f"photos: batchctl >= 1.5 x LitData as whole processes: {best['samples_per_s'] / whole:.2f}x",
+                    best["samples_per_s"] >= 1.5 * whole,
                 )
             )
         else:
@@ -89,7 +93,9 @@ def check_goals(results: dict[str, Any]) -> list[tuple[str, bool]]:
         goals.append((f"real photos: batchctl >= the 50-line design: {ours / fifty:.2f}x", ours >= fifty))
         for size, stages in results["real_photos"].get("stage_seconds", {}).items():
             cpu = ", ".join(f"{role} {seconds:.2f}" for role, seconds in stages["cpu_s"].items())
-            walls = ", ".join(f"{name} {value:.2f}" for name, value in stages.items() if isinstance(value, float))
+            walls = ", ".join(
+                f"{name} {value:.2f}" for name, value in stages.items() if name.endswith("_s") and name != "cpu_s"
+            )
             print(f"[info] real photos, {size}: {walls} s; CPU s: {cpu}")
         whole = rows.get("LitData optimize() (whole process)")
         if whole:
