@@ -65,7 +65,7 @@ class ChunkEncoder:
         names = [codec["name"] for codec in inner]
         config = inner[1].get("configuration") or {}
         self.compressor: Any = None
-        import numcodecs  # (~40 ms: a build's parent never encodes; the fork server preloads it)
+        import numcodecs  # (~40 ms, paid by the processes that code chunks, not by all that import this module)
 
         if names[1] == "zstd":
             self.compressor = numcodecs.Zstd(level=config.get("level", 0), checksum=config.get("checksum", False))
