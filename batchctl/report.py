@@ -58,7 +58,7 @@ class BuildReport:
     # go to a worker), `preprocess_s` (until the last file's result), `finish_s` (until the
     # collator wrote its last batches and the last shard's index), `publish_s`; and, within these,
     # the collator's `fsync_s` (making shard files durable) and `writer_wait_s` (waiting for its
-    # writer threads). Local builds; a Dask build has `publish_s` alone.
+    # writer threads). The first three where a local build preprocessed files; Dask: `publish_s`.
     timings: dict[str, float] = field(default_factory=dict)
     message: str = ""
     workers_seen: list[str] = field(default_factory=list)  # --engine dask: host:pid of each worker used
