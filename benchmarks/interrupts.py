@@ -50,11 +50,11 @@ def main() -> None:
                 break
             interrupts += 1
         processed = len(count.read_text().splitlines())
-        done = "complete" if report.exists() and json.loads(report.read_text())["status"] == "complete" else "not"
+        complete = report.exists() and json.loads(report.read_text())["status"] == "complete"
         print(
             f"SIG{args.signal}: {interrupts} interrupts, {processed} files preprocessed for {args.images} "
             f"({processed - args.images} done again, {(processed - args.images) / max(interrupts, 1):.0f} "
-            f"per interrupt), {done} complete"
+            f"per interrupt), {'complete' if complete else 'not complete'}"
         )
 
 
