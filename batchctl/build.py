@@ -50,6 +50,7 @@ from batchctl.run.staging import BuildPaths
 from batchctl.run.tally import Tally
 from batchctl.run.writeplan import Carry, CollatorConfig
 from batchctl.store import metadata as meta, storage
+from batchctl.store.digest import hashes_by_key
 from batchctl.store.journal import BatchLine, Untrusted, resolve as resolve_journal
 from batchctl.store.storage import SourceRoot
 
@@ -288,13 +289,7 @@ class _Builder:
         record = record_of(origin, batches, finished, discovery.items, self.report.errors, self.paths, self.digests)
         notes = self.preprocessor.describe(self.pp_options) if self.preprocessor.describe else {}
         attrs = dataset_attrs(origin, self.report.errors, finished)
-        arrays = self.paths.staging_files.arrays()
-        known = {
-            arrays[name].shard_key(shard): found
-            for shard, hashes in journal.sha256.items()
-            for name, found in hashes.items()
-            if name in arrays
-        }
+        known = hashes_by_key(self.paths.staging_files.arrays(), journal.sha256)
         publishing = time.monotonic()
         self.report.digest = publish(self.work, self.paths, attrs, record, notes, fingerprint, known)
         self.report.timings["publish_s"] = round(time.monotonic() - publishing, 3)

@@ -17,6 +17,7 @@ from batchctl.errors import FormatError
 from batchctl.plan.start import Interrupted, Published, Request, Seed, Start
 from batchctl.run.staging import BuildPaths, Workdir
 from batchctl.store import codec, metadata as meta, storage
+from batchctl.store.digest import hashes_by_shard
 from batchctl.store.format import remove_shards_from
 from batchctl.store.journal import GroupLine, Journaled, Untrusted, resolve
 from batchctl.store.record import Record, read_record
@@ -112,12 +113,7 @@ def read_published(paths: BuildPaths, keep_tail: bool) -> Published:
         tail = _tail_chunks(paths, record) if keep_tail else {}
     except (OSError, FormatError) as exc:
         return Published(attrs, record_problem=f"its last shard cannot be kept open ({exc})")
-    hashes = {
-        (name, shard): info.shards[arr.shard_key(shard)]
-        for name, arr in arrays.items()
-        for shard in range(attrs.num_shards)
-        if info is not None and arr.shard_key(shard) in info.shards
-    }  # the next digest reads none of the kept shards again
+    hashes = hashes_by_shard(arrays, info.shards, attrs.num_shards) if info else {}  # not read again
     return Published(attrs, record, source_width=width, tail_chunks=tail, shard_sha256=hashes)
 
 

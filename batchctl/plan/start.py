@@ -79,7 +79,7 @@ class Published:
     record_problem: str = ""  # why its record is not used ("" when none is there or it is fine)
     source_width: int = 0  # its `source` column's width
     tail_chunks: Mapping[str, tuple[Chunk, ...]] = field(default_factory=dict)  # its short last shard's chunks
-    shard_sha256: Mapping[tuple[str, int], str] = field(default_factory=dict)  # (array, shard) -> its file's hash
+    shard_sha256: Mapping[int, Mapping[str, str]] = field(default_factory=dict)  # shard -> {array: its file's hash}
 
 
 @dataclass(frozen=True)
@@ -335,9 +335,7 @@ def _seed(request: Request, plan: Plan, record: Record, published: Published) ->
             continue
         lines.append(batch)
         if position == record.shard_batches - 1:
-            old = plan.kept_shards[batch.shard]
-            hashes = {name: found for (name, shard), found in published.shard_sha256.items() if shard == old}
-            lines.append(ShardDone(batch.shard, hashes))
+            lines.append(ShardDone(batch.shard, published.shard_sha256.get(plan.kept_shards[batch.shard], {})))
     seeded = Seeded(record.build_id, record.sha256, request.carry_from, tail, plan.kept_samples)
     state = State(request.spec, request.source, request.classes, request.engine, seeded)
     carried = tuple(sorted({run.shard for run in plan.carry}))

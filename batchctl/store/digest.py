@@ -35,6 +35,28 @@ def shard_keys(arrays: Mapping[str, ArrayMeta], num_samples: int) -> dict[str, l
     return found
 
 
+def hashes_by_key(arrays: Mapping[str, ArrayMeta], by_shard: Mapping[int, Mapping[str, str]]) -> dict[str, str]:
+    """Shard files' hashes by file key, from the journal's shape (shard -> {array: hash})."""
+    return {
+        arrays[name].shard_key(shard): found
+        for shard, hashes in by_shard.items()
+        for name, found in hashes.items()
+        if name in arrays
+    }
+
+
+def hashes_by_shard(
+    arrays: Mapping[str, ArrayMeta], by_key: Mapping[str, str], num_shards: int
+) -> dict[int, dict[str, str]]:
+    """The other way: shard -> {array: hash}, for the first `num_shards` shards `by_key` names."""
+    found: dict[int, dict[str, str]] = {}
+    for shard in range(num_shards):
+        for name, arr in arrays.items():
+            if arr.shard_key(shard) in by_key:
+                found.setdefault(shard, {})[name] = by_key[arr.shard_key(shard)]
+    return found
+
+
 def content_digest(
     files: DatasetFiles, arrays: Mapping[str, ArrayMeta], attrs: DatasetAttrs, known: Mapping[str, str] | None = None
 ) -> tuple[str, dict[str, str]]:
