@@ -188,7 +188,17 @@ def _tamper_journal(work: Path, how: str) -> None:
         state = json.loads((work / "state.json").read_text())
         state["classes"] = "cat"
         (work / "state.json").write_text(json.dumps(state))
+    elif how == "a journal line nested 200,000 deep":
+        lines.insert(1, DEEP)
+    elif how == "a state nested 200,000 deep":
+        (work / "state.json").write_text(DEEP)
+    elif how == "a FIFO for the state":
+        (work / "state.json").unlink()
+        os.mkfifo(work / "state.json")
     journal.write_text("\n".join(lines) + "\n")
+
+
+DEEP = "[" * 200_000 + "]" * 200_000  # json.loads raises RecursionError, not ValueError
 
 
 TAMPERED_WORK = [
@@ -196,6 +206,9 @@ TAMPERED_WORK = [
     "a line that is not an object",
     "a chunk past any file",
     "a state of the wrong types",
+    "a journal line nested 200,000 deep",
+    "a state nested 200,000 deep",
+    "a FIFO for the state",
 ]
 
 
@@ -228,6 +241,7 @@ def _tampered_records(raw: str) -> dict[str, str]:
         "a billion rows": dump(header, huge_rows),
         "a huge shard count": dump({**header, "shard_batches": 10**12}, batches),
         "a line that is not an object": dump(header, [*batches[:1], [1, 2], *batches[1:]]),
+        "a line nested 200,000 deep": dump(header, batches) + DEEP + "\n",
     }
 
 
@@ -275,6 +289,26 @@ def test_a_record_beside_output_not_of_yours_is_neither_trusted_nor_touched(imag
     result = run_cli("build", src, "-o", out, *SMALL)
     assert result.returncode == 0 and "building everything" not in result.stderr, result.stderr  # its own record
     assert planted.read_text() == '{"record": 1}\n' and planted.stat().st_uid == OTHER_UID
+
+
+def test_build_info_replaced_by_a_fifo_or_deep_json_is_not_trusted_and_nothing_hangs(
+    image_folder: Path, built: Path, tmp_path: Path
+) -> None:
+    """The up-to-date check reads the build info: a FIFO in its place would block that read for
+    ever, deep JSON would crash the parser. Either is not batchctl's: the build rebuilds."""
+    for how in ("fifo", "deep"):
+        data = copy_of(built, tmp_path / how)
+        info = data / "batchctl.build.json"
+        info.unlink()
+        if how == "fifo":
+            os.mkfifo(info)
+        else:
+            info.write_text(DEEP)
+        source = json.loads((built / "batchctl.build.json").read_text())["source"]
+        result = run_cli("build", source, "-o", data, *SMALL, timeout=60)
+        assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+        assert "up to date" not in result.stderr, result.stderr
+        assert verify(data) == []
 
 
 @needs_setpriv

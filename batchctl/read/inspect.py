@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -14,6 +13,7 @@ from batchctl.errors import FormatError
 from batchctl.read.reader import Dataset
 from batchctl.store import codec, metadata, storage, zarrmeta
 from batchctl.store.digest import content_digest
+from batchctl.store.untrusted import parse_json
 
 
 def info(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -77,7 +77,7 @@ def _consolidated_problems(ds: Dataset) -> list[Problem]:
     open the arrays from it alone."""
     files = zarrmeta.DatasetFiles(ds.path, ds.storage_options)
     try:
-        copy = json.loads(files.read(zarrmeta.ZARR_JSON)).get("consolidated_metadata")
+        copy = parse_json(files.read(zarrmeta.ZARR_JSON)).get("consolidated_metadata")
     except (OSError, ValueError, AttributeError) as exc:
         return [Problem(zarrmeta.ZARR_JSON, f"cannot be read again ({exc})")]
     if copy is None:
@@ -88,7 +88,7 @@ def _consolidated_problems(ds: Dataset) -> list[Problem]:
     problems = []
     for name in sorted(set(ds.arrays) | set(documents)):
         try:
-            own = json.loads(files.read(f"{name}/{zarrmeta.ZARR_JSON}"))
+            own = parse_json(files.read(f"{name}/{zarrmeta.ZARR_JSON}"))
         except (OSError, ValueError):
             own = None
         if documents.get(name) != own:

@@ -30,6 +30,7 @@ from batchctl.errors import UsageError
 from batchctl.run.processes import signals_ignored
 from batchctl.store import journal, storage
 from batchctl.store.journal import Untrusted
+from batchctl.store.untrusted import LOG_BYTES, parse_json, read_regular
 from batchctl.store.zarrmeta import DatasetFiles
 
 RENAME_EXCHANGE = 2
@@ -165,7 +166,7 @@ class Workdir(ABC):
         if raw is None:
             return None
         try:
-            return journal.parse_state(json.loads(raw))
+            return journal.parse_state(parse_json(raw))
         except ValueError as exc:  # Untrusted is one
             reason = str(exc) if isinstance(exc, Untrusted) else "it is not JSON"
             raise Untrusted(f"state.json: {reason}") from None
@@ -271,19 +272,23 @@ class LocalWorkdir(Workdir):
 
     def _state_bytes(self) -> bytes | None:
         try:
-            return self.paths.state.read_bytes()
+            return read_regular(self.paths.state)
         except FileNotFoundError:
             return None
+        except OSError as exc:  # a FIFO, a folder, a huge file: not batchctl's
+            raise Untrusted(f"state.json: {exc.strerror}") from None
 
     def _journal_values(self) -> list[Any]:
         try:
-            texts = self.paths.journal.read_bytes().splitlines()
+            texts = read_regular(self.paths.journal, LOG_BYTES).splitlines()
         except FileNotFoundError:
             return []
+        except OSError as exc:
+            raise Untrusted(f"the journal: {exc.strerror}") from None
         values: list[Any] = []
         for number, text in enumerate(texts, 1):
             try:
-                values.append(json.loads(text))
+                values.append(parse_json(text))
             except ValueError:
                 if number == len(texts):  # the line a kill cut short
                     break
@@ -342,7 +347,7 @@ class LocalWorkdir(Workdir):
         paths = self.paths
         marker = paths.workdir / PUBLISHING
         try:
-            publishing = marker.read_text(encoding="ascii").strip()
+            publishing = read_regular(marker).decode("ascii").strip()
         except FileNotFoundError:
             return None
         except (OSError, ValueError):
@@ -409,7 +414,7 @@ class RemoteWorkdir(Workdir):
         values: list[Any] = []
         for name in self._journal_objects():
             try:
-                found = json.loads(self.fs.cat_file(name))
+                found = parse_json(self.fs.cat_file(name))
             except FileNotFoundError:
                 continue
             except ValueError:

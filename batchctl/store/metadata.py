@@ -16,6 +16,7 @@ import numpy as np
 
 from batchctl.errors import FormatError
 from batchctl.store import journal
+from batchctl.store.untrusted import parse_json
 from batchctl.store.zarrmeta import ZARR_JSON, ArrayMeta, DatasetFiles
 
 FORMAT_VERSION = 3  # 3: the documents hold nothing of the build but its content (`digest`); 2: `source` as UTF-8 bytes
@@ -188,7 +189,7 @@ def read_build_info(location: str, storage_options: Mapping[str, Any] | None = N
     """The build info in the dataset at `location`, or None when there is none (or it is not
     of batchctl's form: nothing is trusted from it then)."""
     try:
-        raw = json.loads(DatasetFiles(location, storage_options or {}).read(BUILD_INFO))
+        raw = parse_json(DatasetFiles(location, storage_options or {}).read(BUILD_INFO))
         info = BuildInfo(**{name: raw[name] for name in BuildInfo.__dataclass_fields__ if name in raw})
     except Exception:  # noqa: BLE001 - missing, unreadable, not JSON, not ours
         return None
@@ -218,7 +219,7 @@ def read_dataset_attrs(location: str, storage_options: Mapping[str, Any] | None 
     when there is no such file or it does not hold them."""
     try:
         raw = DatasetFiles(location, storage_options or {}).read(ZARR_JSON)
-        return DatasetAttrs.from_json(json.loads(raw)["attributes"][ATTRS_KEY])
+        return DatasetAttrs.from_json(parse_json(raw)["attributes"][ATTRS_KEY])
     except Exception:  # noqa: BLE001 - missing, unreadable, not JSON, not ours: no dataset to trust
         return None
 

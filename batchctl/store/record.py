@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +26,7 @@ from batchctl.store.journal import (
     whole,
 )
 from batchctl.store.metadata import DatasetAttrs
+from batchctl.store.untrusted import LOG_BYTES, NotRegularFile, parse_json, read_regular
 
 RECORD_VERSION = 1
 
@@ -108,7 +107,7 @@ def read_record(where: str, storage_options: Mapping[str, Any], build_id: str, s
     if sha256 and digest != sha256:
         raise Untrusted("its contents are not those the dataset was published with")
     try:
-        lines = [json.loads(line) for line in raw.decode().splitlines() if line]
+        lines = [parse_json(line) for line in raw.decode().splitlines() if line]
     except ValueError:
         raise Untrusted("it is not JSON lines") from None
     if not lines:
@@ -169,8 +168,7 @@ def check_fits(record: Record, attrs: DatasetAttrs, source_width: int) -> None:
 
 def _read_regular(path: Path) -> bytes:
     """A regular file's bytes; anything else (a FIFO would block the read for ever) is refused."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
-    with os.fdopen(fd, "rb") as file:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise Untrusted("it is not a regular file")
-        return file.read()
+    try:
+        return read_regular(path, LOG_BYTES, follow=False)
+    except NotRegularFile:
+        raise Untrusted("it is not a regular file") from None

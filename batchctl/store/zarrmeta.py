@@ -20,6 +20,7 @@ import numpy as np
 
 from batchctl.errors import FormatError
 from batchctl.store import storage
+from batchctl.store.untrusted import parse_json, read_regular
 
 ZARR_JSON = "zarr.json"
 STORED_KINDS = "biuf"  # booleans, integers and floats: the core Zarr v3 data types batchctl stores
@@ -212,11 +213,12 @@ class DatasetFiles:
         return storage.is_url(self.location)
 
     def read(self, key: str) -> bytes:
-        """The object `key`; FileNotFoundError when there is none."""
+        """The object `key`; FileNotFoundError when there is none. A local one is read only if it
+        is a regular file of a document's size (`untrusted.read_regular`)."""
         if self.remote:
             fs, root = storage.locate(self.location, self.storage_options)
             return bytes(fs.cat_file(f"{root}/{key}"))
-        return (Path(self.location) / key).read_bytes()
+        return read_regular(Path(self.location) / key)
 
     def write(self, key: str, pieces: Sequence[Any]) -> None:
         if self.remote:
@@ -283,7 +285,7 @@ class DatasetFiles:
         self.write(ZARR_JSON, [encode(group_json(attributes))])
 
     def group_attributes(self) -> dict[str, Any]:
-        doc = json.loads(self.read(ZARR_JSON))
+        doc = parse_json(self.read(ZARR_JSON))
         if not isinstance(doc, dict) or doc.get("node_type") != "group":
             raise FormatError(f"{self.location}/{ZARR_JSON} is not a Zarr group's")
         return dict(doc.get("attributes") or {})
@@ -303,7 +305,7 @@ class DatasetFiles:
         found = {}
         for name in self._children():
             try:
-                doc = json.loads(self.read(f"{name}/{ZARR_JSON}"))
+                doc = parse_json(self.read(f"{name}/{ZARR_JSON}"))
             except (FileNotFoundError, NotADirectoryError):  # a file such as the record: not an array
                 continue
             except ValueError as exc:
