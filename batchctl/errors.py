@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -126,3 +127,9 @@ class BuildInterrupted(BatchctlError):
         super().__init__(f"interrupted by signal {signum}")
         self.signum = signum
         self.report = report
+
+
+def warn(message: str) -> None:
+    """One warning line on stderr (`batchctl: warning: ...`) through the `batchctl` logger: a
+    program that configures logging decides where it goes."""
+    logging.getLogger("batchctl").warning("batchctl: warning: %s", message)

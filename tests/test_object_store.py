@@ -529,3 +529,112 @@ def test_a_corrupt_object_is_one_error_naming_its_shard_and_batch(
         _epoch(batchctl.open(url))
     message = str(damaged.value)
     assert "\n" not in message and "image shard 1, batch 4" in message, message
+
+
+# --- the read cache is a trust boundary ----------------------------------------------------------
+
+OTHER_UID = 65534  # nobody
+
+
+def _plant_row(ledger: Path, name: str, url: str, version: str) -> None:
+    import sqlite3
+
+    with sqlite3.connect(ledger) as db:
+        db.execute("INSERT INTO entries VALUES (?, ?, ?, 10, 0, 1, 1, 'x')", (name, url, version))
+
+
+def test_a_cache_dir_of_another_user_or_writable_by_others_is_refused_and_no_name_leaves_it(
+    tmp_path: Path, bucket: str, s3_endpoint: str
+) -> None:
+    _, url = _built(tmp_path, bucket, "planted", 16)
+    secret = tmp_path / "victim_secret.txt"
+    secret.write_text("mine")
+    # another user made the cache_dir first in a shared folder (sticky, as /tmp) and planted a ledger
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o1777)
+    shared.chmod(0o1777)
+    planted = shared / "cache"
+    batchctl.open(url, cache_dir=planted, cache_limit="1GB").cache.close()  # type: ignore[union-attr]
+    _plant_row(planted / "ledger.sqlite3", "../../../victim_secret.txt", url, "an older version")
+    for path in [planted, *planted.rglob("*")]:
+        os.chown(path, OTHER_UID, OTHER_UID)
+    with pytest.raises(batchctl.UsageError, match="not a private folder of yours") as refused:
+        batchctl.open(url, cache_dir=planted, cache_limit="1GB")
+    assert "\n" not in str(refused.value)
+    assert secret.read_text() == "mine"
+    for path in [planted, *planted.rglob("*")]:
+        os.chown(path, os.getuid(), os.getgid())
+    planted.chmod(0o777)  # the user's own, but anyone may write into it
+    with pytest.raises(batchctl.UsageError, match="not a private folder of yours"):
+        batchctl.open(url, cache_dir=planted, cache_limit="1GB")
+    # a ledger row naming a path outside the folder (a tampered ledger in a private folder): only the row goes
+    planted.chmod(0o700)
+    ds = batchctl.open(url, cache_dir=planted, cache_limit="1GB")
+    assert secret.read_text() == "mine"
+    _same_batches(_epoch(ds), _epoch(batchctl.open(url)))
+    modes = {stat_mode(p) for p in [planted, planted / "data"]}, {stat_mode(p) for p in planted.rglob("*") if p.is_file()}
+    assert modes == ({0o700}, {0o600}), modes  # what was cached is the user's only
+
+
+def stat_mode(path: Path) -> int:
+    return path.stat().st_mode & 0o777
+
+
+def test_a_swapped_or_crafted_cached_chunk_is_fetched_again_never_served(
+    tmp_path: Path, bucket: str, s3_endpoint: str
+) -> None:
+    import google_crc32c
+
+    _, url = _built(tmp_path, bucket, "swapped", 48)
+    cache = tmp_path / "cache"
+    plain = _epoch(batchctl.open(url))
+    _epoch(batchctl.open(url, cache_dir=cache, cache_limit="1GB"))
+    by_size: dict[int, list[Path]] = {}
+    for file in (cache / "data").iterdir():
+        by_size.setdefault(file.stat().st_size, []).append(file)
+    a, b, c = by_size[max(size for size, files in by_size.items() if len(files) >= 3)][:3]  # image chunks, one length
+    first, second = a.read_bytes(), b.read_bytes()
+    a.write_bytes(second)  # two valid chunks swapped (another user, anything that renames files)
+    b.write_bytes(first)
+    crafted = bytearray(c.read_bytes())
+    crafted[10] ^= 0xFF  # a wrong pixel with its crc32c made again: checksums alone would pass it
+    crafted[-4:] = int(google_crc32c.value(bytes(crafted[:-4]))).to_bytes(4, "little")
+    c.write_bytes(bytes(crafted))
+    with requests_made(s3_endpoint) as made:
+        _same_batches(_epoch(batchctl.open(url, cache_dir=cache, cache_limit="1GB")), plain)
+    assert len(data_gets(made)) == 3  # each fetched once more, and cached right
+    assert a.read_bytes() == first and b.read_bytes() == second
+
+
+@pytest.mark.parametrize("damage", ["garbage", "half", "a folder", "emptied"])
+def test_a_damaged_or_emptied_ledger_is_rebuilt_in_one_line_and_the_limit_holds(
+    tmp_path: Path, bucket: str, s3_endpoint: str, damage: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    import sqlite3
+
+    _, url = _built(tmp_path, bucket, "ledger", 48)
+    cache = tmp_path / "cache"
+    plain = _epoch(batchctl.open(url))
+    _epoch(batchctl.open(url, cache_dir=cache, cache_limit="1GB"))
+    ledger = cache / "ledger.sqlite3"
+    if damage == "garbage":
+        ledger.write_bytes(os.urandom(8192))
+    elif damage == "half":
+        ledger.write_bytes(ledger.read_bytes()[: ledger.stat().st_size // 2])
+    elif damage == "a folder":
+        ledger.unlink()
+        ledger.mkdir()
+    else:
+        with sqlite3.connect(ledger) as db:
+            db.execute("DELETE FROM entries")
+    limit = 4 * batchctl.open(url).stored_batch_bytes()
+    with caplog.at_level("WARNING", logger="batchctl"):
+        ds = batchctl.open(url, cache_dir=cache, cache_limit=limit)
+        _same_batches(_epoch(ds, prefetch=2), plain)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "batchctl"]
+    if damage == "emptied":
+        assert warnings == []  # nothing is wrong with the ledger: its files without a row are deleted
+    else:
+        assert len(warnings) == 1 and "ledger" in warnings[0] and "\n" not in warnings[0], warnings
+    assert 0 < _cached_bytes(cache) <= limit
+    assert _cached_bytes(cache) == ds.cache.held_bytes()  # type: ignore[union-attr]
