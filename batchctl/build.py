@@ -27,9 +27,9 @@ from batchctl.errors import (
 )
 from batchctl.plan.discover import Discovery, discover, hash_files
 from batchctl.plan.options import BuildKwargs, BuildOptions, build_options, dataset_spec
-from batchctl.plan.start import Request, Start, plan_start, untrusted_work
+from batchctl.plan.start import Interrupted, Published, Request, Start, plan_start, untrusted_work
 from batchctl.plan.tasks import make_tasks
-from batchctl.prepare import prepare, read_interrupted, read_published
+from batchctl.prepare import damaged_shards, prepare, read_interrupted, read_published
 from batchctl.preprocess import resolve
 from batchctl.progress import ConsoleProgress, Progress
 from batchctl.publish import Origin, dataset_attrs, publish, record_of
@@ -197,7 +197,7 @@ class _Builder:
                 interrupted = read_interrupted(self.paths, self.work, self.options.batch_size)
             except Untrusted as exc:
                 raise untrusted_work(self.paths.workdir_url, exc) from None
-        start = plan_start(request, interrupted, lambda: read_published(self.paths, keep_tail))
+        start = self._checked_start(request, interrupted, keep_tail)
         for note in start.notes:
             self.progress.info(note)
         prepare(start, request, self.paths, self.work, lambda: dataset_attrs(self._origin(discovery), []))
@@ -208,6 +208,25 @@ class _Builder:
         self.report.kept_samples = start.kept_samples
         self.report.resumed_shards, self.report.resumed_samples = start.resumed_shards, start.resumed_samples
         return start
+
+    def _checked_start(self, request: Request, interrupted: Interrupted | None, keep_tail: bool) -> Start:
+        """The start `plan_start` gives, planned again when shards an incremental build would keep
+        are damaged (`damaged_shards`): their files are preprocessed again, nothing unsound is
+        linked into the new dataset or vouched for by its digest."""
+        read: list[Published] = []
+
+        def published() -> Published:
+            read.append(read_published(self.paths, keep_tail))
+            return read[-1]
+
+        start = plan_start(request, interrupted, published)
+        if start.seed is None or not read:
+            return start
+        damaged = damaged_shards(self.paths, read[0], start.seed.kept_shards)
+        if not damaged:
+            return start
+        facts = dataclasses.replace(read[0], damaged=damaged)
+        return plan_start(request, interrupted, lambda: facts)
 
     def _carry(self, start: Start) -> Carry | None:
         """An incremental build's rows to carry over from the last build (None: not incremental)."""

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from batchctl.errors import FormatError
 from batchctl.plan.start import Interrupted, Published, Request, Seed, Start
 from batchctl.run.staging import BuildPaths, Workdir
 from batchctl.store import codec, metadata as meta, storage
-from batchctl.store.digest import hashes_by_shard
+from batchctl.store.digest import HASH_THREADS, hashes_by_shard, shard_problem
 from batchctl.store.format import remove_shards_from
 from batchctl.store.journal import GroupLine, Journaled, Untrusted, resolve
 from batchctl.store.record import Record, read_record
@@ -115,6 +116,33 @@ def read_published(paths: BuildPaths, keep_tail: bool) -> Published:
         return Published(attrs, record_problem=f"its last shard cannot be kept open ({exc})")
     hashes = hashes_by_shard(arrays, info.shards, attrs.num_shards) if info else {}  # not read again
     return Published(attrs, record, source_width=width, tail_chunks=tail, shard_sha256=hashes)
+
+
+def damaged_shards(paths: BuildPaths, published: Published, shards: Collection[int]) -> dict[int, str]:
+    """Which published `shards` (those an incremental build would keep) are not what the last
+    build wrote, and why: each file's SHA-256 against the build info's where it has one (a local
+    OUTPUT: the kept files are read once, in threads), else its index and size (an object store,
+    whose objects are replaced whole, never edited in place; a dataset of an older batchctl)."""
+    assert published.record is not None
+    files = DatasetFiles(paths.url, paths.storage_options)
+    arrays = files.arrays()
+    per_shard = published.record.shard_batches
+    checks = [
+        (shard, name, None if paths.remote else published.shard_sha256.get(shard, {}).get(name))
+        for shard in sorted(shards)
+        for name in sorted(arrays)
+    ]
+
+    def problem(check: tuple[int, str, str | None]) -> str | None:
+        shard, name, sha256 = check
+        return shard_problem(files, arrays[name].shard_key(shard), per_shard, sha256)
+
+    found: dict[int, str] = {}
+    with ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="batchctl-check") as pool:
+        for (shard, name, _), why in zip(checks, pool.map(problem, checks), strict=True):
+            if why is not None and shard not in found:
+                found[shard] = f"{name}: {why}"
+    return found
 
 
 def _read_record(paths: BuildPaths, attrs: meta.DatasetAttrs, sha256: str) -> Record | None:

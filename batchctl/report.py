@@ -25,13 +25,20 @@ class Changes:
     changed: dict[str, Any]
     removed: dict[str, Any]
     retried: dict[str, Any] = field(default_factory=lambda: {"count": 0, "paths": []})  # a transient failure's files
+    redone: dict[str, Any] = field(default_factory=lambda: {"count": 0, "paths": []})  # rows lost with a damaged shard
 
     @classmethod
     def of(cls, changes: Any) -> Changes:
         def listed(paths: list[str]) -> dict[str, Any]:
             return {"count": len(paths), "paths": list(paths)}
 
-        return cls(listed(changes.added), listed(changes.changed), listed(changes.removed), listed(changes.retried))
+        return cls(
+            listed(changes.added),
+            listed(changes.changed),
+            listed(changes.removed),
+            listed(changes.retried),
+            listed(changes.redone),
+        )
 
 
 @dataclass
@@ -70,7 +77,7 @@ class BuildReport:
         out = asdict(self)
         out["ignored"] = {"count": self.ignored, "paths": out.pop("ignored_paths")}  # as `added` and the others
         changes = out.pop("changes")
-        out.update(changes or {"added": None, "changed": None, "removed": None, "retried": None})
+        out.update(changes or dict.fromkeys(("added", "changed", "removed", "retried", "redone")))
         return out
 
     def write(self, path: Path) -> None:
@@ -98,11 +105,12 @@ class BuildReport:
             f"{count_of(self.processed, 'file')} preprocessed"
         )
         if self.changes is not None:
-            retried = self.changes.retried["count"]
+            retried, redone = self.changes.retried["count"], self.changes.redone["count"]
             text += (
                 f" ({self.changes.added['count']} added, {self.changes.changed['count']} changed, "
                 f"{self.changes.removed['count']} removed"
                 + (f", {retried} retried" if retried else "")
+                + (f", {redone} redone (damaged shards)" if redone else "")
                 + f"; {count_of(self.kept_samples, 'sample')} kept)"
             )
         if self.resumed_samples:

@@ -273,3 +273,28 @@ def test_new_rows_are_appended_to_a_copy_of_the_short_last_shard(folder: Path, t
     after = rows_by_key(out)
     assert_same_rows(after, rows_by_key(fresh))
     assert all(np.array_equal(after[key], row) for key, row in before.items())
+
+
+@pytest.mark.parametrize("damage", ["truncated", "a flipped byte", "a FIFO", "deleted"])
+def test_a_damaged_kept_shard_is_rebuilt_from_its_files_never_vouched_for(
+    folder: Path, tmp_path: Path, damage: str
+) -> None:
+    out = tmp_path / "data.zarr"
+    build(folder, out)  # 40 rows: 5 full shards of 8
+    shard = out / "image" / "c" / "1" / "0" / "0" / "0"
+    data = shard.read_bytes()
+    shard.unlink()  # (a hard link of the work folder's past: edited in place, as damage would be)
+    if damage == "truncated":
+        shard.write_bytes(data[: len(data) // 2])
+    elif damage == "a flipped byte":
+        shard.write_bytes(data[:100] + bytes([data[100] ^ 0xFF]) + data[101:])
+    elif damage == "a FIFO":
+        os.mkfifo(shard)
+    new_image(tmp_path, folder / "cat" / "late.jpg", 7)
+    report = build(folder, out)
+    assert "shard 1 of the last build is damaged (image:" in report["stderr"], report["stderr"]
+    assert report["redone"]["count"] == 8 and report["processed"] == 9  # its 8 files, and the new one
+    assert verify(out) == []
+    fresh = tmp_path / "fresh.zarr"
+    build(folder, fresh)
+    assert_same_rows(rows_by_key(out), rows_by_key(fresh))

@@ -20,7 +20,7 @@ journaled as finished shards, so an interrupted incremental run resumes like any
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from batchctl.records import CarryRun, PathKey, WorkItem
@@ -37,10 +37,12 @@ class Changes:
     changed: list[str]
     removed: list[str]
     retried: list[str] = field(default_factory=list)  # skipped last time by a transient failure: tried again
+    redone: list[str] = field(default_factory=list)  # unchanged, but their rows lay in a damaged shard
 
     def line(self) -> str:
         retried = f", {len(self.retried)} retried" if self.retried else ""
-        counts = f"{len(self.added)} added, {len(self.changed)} changed, {len(self.removed)} removed{retried}"
+        redone = f", {len(self.redone)} preprocessed again (damaged shards)" if self.redone else ""
+        counts = f"{len(self.added)} added, {len(self.changed)} changed, {len(self.removed)} removed{retried}{redone}"
         return f"{counts} since the last build"
 
 
@@ -67,7 +69,8 @@ class Plan:
 
     @property
     def preprocess(self) -> set[str]:
-        return set(self.changes.added) | set(self.changes.changed) | set(self.changes.retried)
+        changes = self.changes
+        return set(changes.added) | set(changes.changed) | set(changes.retried) | set(changes.redone)
 
 
 def compare(
@@ -105,11 +108,24 @@ def _same(item: WorkItem, stamp: tuple[int, int], old: str | None, new: str | No
     return item.mtime_ns == stamp[1]
 
 
-def plan(record: Record, items: list[WorkItem], digests: Mapping[str, str], checksum: bool, keep_tail: bool) -> Plan:
+def plan(
+    record: Record,
+    items: list[WorkItem],
+    digests: Mapping[str, str],
+    checksum: bool,
+    keep_tail: bool,
+    damaged: Collection[int] = (),
+) -> Plan:
     """Which old shards stay whole and which rows are carried over, for the files of `items`.
     `keep_tail`: a short last shard none of whose rows changed is kept too, as the open shard new
-    rows are appended to (a local OUTPUT: its files are copied, then grow; an object cannot)."""
+    rows are appended to (a local OUTPUT: its files are copied, then grow; an object cannot).
+    `damaged`: shards whose files are not what the last build wrote: neither kept nor carried
+    from, their files preprocessed again."""
     changes, unchanged = compare(record, items, digests, checksum)
+    lost = {run.source for batch in record.batches if batch.shard in damaged for run in batch.files}
+    redone = sorted(lost & unchanged)
+    unchanged -= lost
+    changes = replace(changes, redone=redone)
     current = {item.relpath: item for item in items}
     shard_rows, batch_size = record.shard_rows, record.batch_size
     runs: list[tuple[int, int, int, str, int, int]] = []  # (shard, start, rows, relpath, first, index)

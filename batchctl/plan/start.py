@@ -11,7 +11,7 @@ Whether OUTPUT is already up to date is decided before (a fingerprint: `batchctl
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -80,6 +80,7 @@ class Published:
     source_width: int = 0  # its `source` column's width
     tail_chunks: Mapping[str, tuple[Chunk, ...]] = field(default_factory=dict)  # its short last shard's chunks
     shard_sha256: Mapping[int, Mapping[str, str]] = field(default_factory=dict)  # shard -> {array: its file's hash}
+    damaged: Mapping[int, str] = field(default_factory=dict)  # shard -> why its files are not what was written
 
 
 @dataclass(frozen=True)
@@ -306,18 +307,21 @@ def _incremental_plan(request: Request, published: Published, notes: list[str]) 
     why = differences({**record.spec, "source": record.source}, {**request.spec, "source": request.source})
     if record.classes != request.classes:
         why.append("the class folders changed")
-    plan = _plan(request, record)
+    plan = _plan(request, record, published.damaged)
     longest = max((len(path.encode()) for path in plan.preprocess), default=0)
     if longest > record.source_width:
         why.append(f"a new path of {longest} bytes is longer than the source column's {record.source_width}")
     if why:
         notes.append("building everything: " + "; ".join(why))
         return None
+    for shard, reason in sorted(published.damaged.items()):
+        notes.append(f"shard {shard} of the last build is damaged ({reason}): its files are preprocessed again")
     return plan, record
 
 
-def _plan(request: Request, record: Record) -> Plan:
-    return incremental.plan(record, list(request.items), request.digests, request.checksum, request.keep_tail)
+def _plan(request: Request, record: Record, damaged: Collection[int] = ()) -> Plan:
+    items = list(request.items)
+    return incremental.plan(record, items, request.digests, request.checksum, request.keep_tail, damaged)
 
 
 def _seed(request: Request, plan: Plan, record: Record, published: Published) -> tuple[Seed, State]:

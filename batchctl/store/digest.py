@@ -18,8 +18,11 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from batchctl.errors import FormatError
 from batchctl.store import storage
+from batchctl.store.codec import NO_CHUNK, parse_shard_index
 from batchctl.store.metadata import DatasetAttrs
+from batchctl.store.untrusted import NotRegularFile, open_regular
 from batchctl.store.zarrmeta import ZARR_JSON, ArrayMeta, DatasetFiles
 
 DIGEST_VERSION = 1
@@ -86,7 +89,35 @@ def _file_sha256(files: DatasetFiles, key: str) -> str:
             fs, root = storage.locate(files.location, files.storage_options)
             with fs.open(f"{root}/{key}", "rb") as remote:
                 return hashlib.file_digest(remote, "sha256").hexdigest()
-        with open(Path(files.location) / key, "rb") as local:
+        with open_regular(Path(files.location) / key) as local:
             return hashlib.file_digest(local, "sha256").hexdigest()
     except FileNotFoundError:
         return "missing"
+    except NotRegularFile:
+        return "not a regular file"
+
+
+def shard_problem(files: DatasetFiles, key: str, per_shard: int, sha256: str | None) -> str | None:
+    """Why the shard file `key` is not the one a build wrote, or None: not its SHA-256 (`sha256`,
+    where known: the whole file is read), else an index that does not read or chunks that do not
+    end where the index does (one ranged read of its index, as on an object store)."""
+    if sha256 is not None:
+        found = _file_sha256(files, key)
+        if found == sha256:
+            return None
+        return found if found in ("missing", "not a regular file") else "its bytes are not those it was written with"
+    try:
+        size = files.size(key)
+        if size < 0:
+            return "missing"
+        raw = files.read_range(key, size - (per_shard * 16 + 4), size) if size >= per_shard * 16 + 4 else b""
+        index = parse_shard_index(raw, per_shard)
+    except NotRegularFile:
+        return "not a regular file"
+    except (OSError, FormatError) as exc:
+        return str(exc)
+    present = index[index[:, 0] != NO_CHUNK]
+    end = int((present[:, 0] + present[:, 1]).max()) if len(present) else 0
+    if end + per_shard * 16 + 4 != size:
+        return f"it holds {size} bytes, its index says {end + per_shard * 16 + 4}"
+    return None

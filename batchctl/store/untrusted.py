@@ -6,6 +6,7 @@ a huge file) or crash the parser (`RecursionError` on deeply nested arrays is no
 from __future__ import annotations
 
 import errno
+import io
 import json
 import os
 import stat
@@ -19,17 +20,21 @@ class NotRegularFile(OSError):
     """A FIFO, socket, device or folder where a file was expected."""
 
 
-def read_regular(path: str | os.PathLike[str], limit: int = DOCUMENT_BYTES, *, follow: bool = True) -> bytes:
-    """A regular file's bytes, at most `limit` of them. Opened without blocking (a FIFO's open
-    would wait for a writer), refused unless a regular file, refused when larger than `limit`;
-    `follow=False` also refuses a symbolic link."""
+def open_regular(path: str | os.PathLike[str], *, follow: bool = True) -> io.BufferedReader:
+    """A regular file opened for reading without blocking (a FIFO's open would wait for a
+    writer); anything else is refused (`NotRegularFile`); `follow=False` refuses a symbolic link."""
     flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
     fd = os.open(path, flags)
-    with os.fdopen(fd, "rb") as file:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise NotRegularFile(errno.EINVAL, "not a regular file", os.fspath(path))
-        if st.st_size > limit:
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise NotRegularFile(errno.EINVAL, "not a regular file", os.fspath(path))
+    return os.fdopen(fd, "rb")
+
+
+def read_regular(path: str | os.PathLike[str], limit: int = DOCUMENT_BYTES, *, follow: bool = True) -> bytes:
+    """A regular file's bytes (`open_regular`), refused when larger than `limit`."""
+    with open_regular(path, follow=follow) as file:
+        if os.fstat(file.fileno()).st_size > limit:
             raise OSError(errno.EFBIG, f"larger than {limit} bytes", os.fspath(path))
         data = file.read(limit + 1)
         if len(data) > limit:  # it grew since

@@ -20,7 +20,7 @@ import numpy as np
 
 from batchctl.errors import FormatError
 from batchctl.store import storage
-from batchctl.store.untrusted import parse_json, read_regular
+from batchctl.store.untrusted import open_regular, parse_json, read_regular
 
 ZARR_JSON = "zarr.json"
 STORED_KINDS = "biuf"  # booleans, integers and floats: the core Zarr v3 data types batchctl stores
@@ -235,6 +235,14 @@ class DatasetFiles:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
+
+    def read_range(self, key: str, start: int, end: int) -> bytes:
+        """Bytes `start:end` of the object `key` (a local one read only if a regular file)."""
+        if self.remote:
+            fs, root = storage.locate(self.location, self.storage_options)
+            return bytes(fs.cat_file(f"{root}/{key}", start=start, end=end))
+        with open_regular(Path(self.location) / key) as file:
+            return os.pread(file.fileno(), end - start, start)
 
     def size(self, key: str) -> int:
         """The bytes of the object `key`, or -1 when there is none."""
