@@ -80,7 +80,27 @@ def signalled_in(exc: BaseException) -> Signalled | None:
 
 
 class BatchctlError(Exception):
-    """Base of every error batchctl raises for a user's mistake or a failed build."""
+    """Base of every error batchctl raises for a user's mistake or a failed build.
+
+    Raised in a PyTorch DataLoader worker, an error reaches the main process made again from one
+    message, torch's "Caught X in DataLoader worker process N.\nOriginal Traceback ...": that is
+    cut back to its own line, and says which worker, so the user reads one line there too."""
+
+    def __init__(self, *args: object) -> None:
+        if len(args) == 1 and isinstance(args[0], str):
+            args = (_own_line(args[0]),)
+        super().__init__(*args)
+
+
+def _own_line(message: str) -> str:
+    """The error's own message out of torch's re-raised worker exception text, or `message`."""
+    head, _, rest = message.partition("\n")
+    if not (head.startswith("Caught ") and rest.startswith("Original Traceback")):
+        return message
+    last = rest.rstrip().rsplit("\n", 1)[-1]
+    own = last.split(": ", 1)[1] if ": " in last else last
+    where = head.split(" ", 2)[-1].rstrip(".")  # "in DataLoader worker process 0"
+    return f"{own} ({where})"
 
 
 class UsageError(BatchctlError, ValueError):

@@ -192,18 +192,40 @@ class IterableBatches(IterableDataset[dict[str, Any]]):
 
     def state_dict(self) -> dict[str, Any]:
         """Where this process's share stands: the loader's state of the pass's start, and the
-        steps this DataLoader worker (or the main process) has handed out since."""
+        steps this DataLoader worker (or the main process) has handed out since, on how many ranks."""
         worker, workers = self._worker()
         current = self._pass if self._pass is not None else self._current()
         state = self._loader().state_dict()
         state.update(epoch=current.epoch, position=current.start, worker=worker, workers=workers)
-        state["yielded"] = current.yielded
+        state.update(yielded=current.yielded, world_size=self.world_size)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from `state`. Saved on another world size, a state of a rank without
+        DataLoader workers continues exactly (every rank had taken `yielded` steps of the global
+        order: the position is moved past them); one with workers is refused in one line (each
+        worker's state holds its own count only, not the rank's)."""
         self._loader().check_state(state)
-        workers, yielded = state.get("workers", 1), state.get("yielded", 0)
-        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (workers, yielded)):
-            raise ResumeMismatchError(f"the state's workers and yielded are not ints >= 0: {workers!r}, {yielded!r}")
-        self._pass = _Pass(state["epoch"], seen=self.epoch, start=state["position"], yielded=yielded)
+        # world_size not said: a state of an earlier batchctl, taken as this world size's
+        counts = {"workers": 1, "worker": 0, "yielded": 0, "world_size": self.world_size}
+        counts = {name: state.get(name, default) for name, default in counts.items()}
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in counts.values()) or not (
+            counts["world_size"] >= 1 and 0 <= counts["worker"] < counts["workers"]
+        ):
+            raise ResumeMismatchError(f"the state's DataLoader workers, steps and world size are not right: {counts}")
+        workers, worker, yielded, world = counts.values()
+        position = state["position"]
+        if world != self.world_size:
+            if workers > 1:
+                raise ResumeMismatchError(
+                    f"the state was saved on {world} ranks with {workers} DataLoader workers each, and resumes only on "
+                    f"{world} ranks (this is {self.world_size}); a state saved with num_workers=0 resumes on any number"
+                )
+            position, yielded = position + yielded * world, 0
+        share = len(self._loader().batches(position, state["epoch"])[worker::workers])
+        if yielded > share:
+            raise ResumeMismatchError(
+                f"the state's yielded {yielded} is more than the {share} steps this share of the epoch has"
+            )
+        self._pass = _Pass(state["epoch"], seen=self.epoch, start=position, yielded=yielded)
         self._workers = workers

@@ -6,6 +6,7 @@ batch's rows can be checked against their sources and followed one by one across
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import random
@@ -402,3 +403,84 @@ def test_ranks_come_from_torch_distributed(numbered: Path) -> None:
     order = epoch_ids(batchctl.open(numbered).loader(batch_size=10, seed=2))
     assert len(shares[0]) == len(shares[1]) == len(order) // 2
     assert [shares[j % 2][j // 2] for j in range(len(order))] == order
+
+
+# --- resume states checked ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("position", [34, 10**12, 2**70])
+def test_a_resume_position_past_the_epoch_is_refused_in_one_line(numbered: Path, position: int) -> None:
+    loader = batchctl.open(numbered).loader(batch_size=6)  # 205 samples: 34 batches of 6
+    state = {**loader.state_dict(), "position": position}
+    with pytest.raises(batchctl.ResumeMismatchError) as refused:
+        batchctl.open(numbered).loader(batch_size=6).load_state_dict(state)
+    assert "\n" not in str(refused.value) and ("past the end of the epoch" in str(refused.value) or position >= 2**63)
+    state = {**loader.state_dict(), "position": 33}
+    batchctl.open(numbered).loader(batch_size=6).load_state_dict(state)  # the epoch's last batch: fine
+    with pytest.raises(batchctl.ResumeMismatchError):
+        batchctl.open(numbered).loader(batch_size=6).load_state_dict({**state, "epoch": 2**70})
+
+
+def _stream_state(path: Path, workers: int, rank: int, world: int, stop: int) -> tuple[list[list[int]], dict]:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from batchctl.torch import IterableBatches
+
+    stream = IterableBatches(path, batch_size=6, mix=4, seed=5, rank=rank, world_size=world)
+    loader = StatefulDataLoader(stream, batch_size=None, num_workers=workers)
+    got = []
+    for batch in loader:
+        got.append(ids(batch))
+        if len(got) == stop:
+            break
+    return got, loader.state_dict()
+
+
+def test_an_iterable_batches_state_resumes_exactly_on_another_world_size_or_is_refused(numbered: Path) -> None:
+    pytest.importorskip("torchdata")
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from batchctl.torch import IterableBatches
+
+    expected = epoch_ids(batchctl.open(numbered).loader(batch_size=6, mix=4, seed=5))  # 34 batches
+    heads = [_stream_state(numbered, 0, rank, 2, stop=5) for rank in range(2)]
+    assert heads[0][0] == expected[0:10:2] and heads[1][0] == expected[1:10:2]
+    for state in (heads[0][1], heads[1][1]):  # either rank's state: the same global position
+        stream = IterableBatches(numbered, batch_size=6, mix=4, seed=5, rank=0, world_size=1)
+        loader = StatefulDataLoader(stream, batch_size=None, num_workers=0)
+        loader.load_state_dict(state)
+        assert [ids(b) for b in loader] == expected[10:]  # nothing twice, nothing left out
+    _, with_workers = _stream_state(numbered, 2, 0, 2, stop=5)
+    stream = IterableBatches(numbered, batch_size=6, mix=4, seed=5, rank=0, world_size=1)
+    loader = StatefulDataLoader(stream, batch_size=None, num_workers=2)
+    loader.load_state_dict(with_workers)
+    with pytest.raises(batchctl.ResumeMismatchError, match="resumes only on 2 ranks") as refused:
+        next(iter(loader))
+    assert "\n" not in str(refused.value) and "DataLoader worker process" in str(refused.value)
+    del loader, refused  # its workers end with it
+    gc.collect()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_stateful_dataloader_state_past_the_epoch_is_refused_in_one_line(numbered: Path, workers: int) -> None:
+    pytest.importorskip("torchdata")
+    _, state = _stateful_run(numbered, workers, stop=3)
+    assert state is not None
+    for key, value in (("yielded", 1000), ("position", 10**12)):
+        tampered = _replace_in(state, key, value)
+        message = ""
+        try:
+            _stateful_run(numbered, workers, state=tampered, epochs=1)
+        except batchctl.ResumeMismatchError as exc:
+            message = str(exc)  # (not kept: its traceback holds the DataLoader, whose workers end with it)
+        gc.collect()
+        assert message and "\n" not in message, message
+
+
+def _replace_in(value: Any, key: str, new: int) -> Any:
+    """`value` with every `key` of every mapping inside it set to `new`."""
+    if isinstance(value, dict):
+        return {k: new if k == key else _replace_in(v, key, new) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_replace_in(v, key, new) for v in value]
+    return value

@@ -108,8 +108,7 @@ class EpochOrder:
         groups = math.ceil(stored / self.group)
         sizes = np.add.reduceat(visited, np.arange(groups) * self.group) if groups else np.zeros(0, np.int64)
         self.group_start = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-        batch = options.batch_size
-        self.batches = num_samples // batch if options.drop_last else math.ceil(num_samples / batch)
+        self.batches = epoch_batches(num_samples, options)
         self._rows: OrderedDict[int, np.ndarray] = OrderedDict()
 
     def stored_of_group(self, group: int) -> np.ndarray:
@@ -161,6 +160,12 @@ class EpochOrder:
             raise IndexError(f"output batch {batch} out of range: the epoch has {self.batches}")
         start = batch * self.options.batch_size
         return start, min(start + self.options.batch_size, self.num_samples)
+
+
+def epoch_batches(num_samples: int, options: OrderOptions) -> int:
+    """The output batches of an epoch (all ranks together)."""
+    batch = options.batch_size
+    return num_samples // batch if options.drop_last else math.ceil(num_samples / batch)
 
 
 def _visit_order(stored: int, mix: int, rng: np.random.Generator) -> tuple[np.ndarray, int]:
@@ -328,8 +333,14 @@ class Loader:
                     f"the state was saved with {name}={saved.get(name)!r}, this loader has {name}={value!r}"
                 )
         epoch, position = state.get("epoch"), state.get("position")
-        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (epoch, position)):
+        if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63 for v in (epoch, position)):
             raise ResumeMismatchError(f"the state's epoch and position are not ints >= 0: {epoch!r}, {position!r}")
+        total = epoch_batches(self.dataset.num_samples, self.options)
+        if position and position >= total:
+            raise ResumeMismatchError(
+                f"the state's position {position} lies past the end of the epoch ({total} batches of "
+                f"{self.options.batch_size} on {self.dataset.num_samples} samples): it is not a state of this loader"
+            )
 
     def dataset_version(self) -> dict[str, Any]:
         return {"build_id": self.dataset.build_id, "num_samples": self.dataset.num_samples}
