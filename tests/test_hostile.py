@@ -391,3 +391,31 @@ def test_a_file_retried_after_a_transient_failure_is_reported_as_retried(image_f
     assert "0 added, 0 changed, 0 removed, 1 retried since the last build" in again.stderr, again.stderr
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["retried"]["paths"] == [victim] and report["changed"]["count"] == 0
+
+
+def test_verify_of_a_dataset_claiming_a_quadrillion_samples_is_bounded_by_the_disk(
+    built: Path, tmp_path: Path
+) -> None:
+    import resource
+
+    data = copy_of(built, tmp_path)
+    group = json.loads((data / "zarr.json").read_text())
+    attrs = group["attributes"]["batchctl"]
+    attrs["num_samples"], attrs["num_batches"] = 10**15, 10**15 // attrs["batch_size"]
+    attrs["num_shards"] = -(-attrs["num_batches"] // attrs["shard_batches"])
+    for doc in group["consolidated_metadata"]["metadata"].values():
+        doc["shape"][0] = 10**15
+    (data / "zarr.json").write_text(json.dumps(group))
+    for doc_path in data.glob("*/zarr.json"):
+        doc = json.loads(doc_path.read_text())
+        doc["shape"][0] = 10**15
+        doc_path.write_text(json.dumps(doc))
+
+    def limited() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (3 * 2**30, 3 * 2**30))
+
+    result = subprocess.run(
+        [*BATCHCTL, "verify", str(data)], capture_output=True, text=True, timeout=120, cwd=ROOT, preexec_fn=limited
+    )
+    line = fails_in_one_line(result)
+    assert "problems found" in line and "shard file is missing" in result.stderr, result.stderr[-2000:]
