@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import signal
+import tempfile
 import time
 from pathlib import Path
 
@@ -103,8 +104,13 @@ def test_many_random_interruptions_then_exactly_once(image_folder: Path, tmp_pat
     assert [name for pid in parents for name in build_names(pid)] == []  # a SIGKILLed group's, swept
 
 
-def test_kill_9_of_the_whole_group_then_resume(image_folder: Path, tmp_path: Path) -> None:
+def test_kill_9_of_the_whole_group_then_resume(
+    image_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     out, report = tmp_path / "data.zarr", tmp_path / "r.json"
+    # this test's own TMPDIR (short: a Unix socket's path lies in it): what the builds leave there is theirs
+    temp = Path(tempfile.mkdtemp(prefix="bt", dir="/tmp"))
+    monkeypatch.setenv("TMPDIR", str(temp))
     proc = start_cli("build", image_folder, "-o", out, *SLOW)
     wait_for(lambda: journal_shards(out) >= 3)
     kill_group(proc, signal.SIGKILL)
@@ -112,11 +118,15 @@ def test_kill_9_of_the_whole_group_then_resume(image_folder: Path, tmp_path: Pat
     assert wait_group_gone(proc.pid) == []
     assert not out.exists()
     assert build_names(proc.pid) != []  # the resource tracker died with the group: its semaphores stay
+    left = sorted(p.name for p in temp.iterdir())
+    assert len(left) == 1 and left[0].startswith(f"batchctl-mp-{proc.pid}-"), left  # the fork server's folder
     result = run_cli("build", image_folder, "-o", out, *SLOW, "--report", report)
     assert result.returncode == 0, result.stderr
     assert json.loads(report.read_text())["resumed_shards"] >= 3
     assert_exactly_once(out, image_files(image_folder))
     assert build_names(proc.pid) == []  # the killed build's semaphores were swept by the rerun
+    assert list(temp.iterdir()) == []  # and its temporary folder; the rerun's own removed as it exited
+    temp.rmdir()
 
 
 def test_a_killed_worker_costs_only_its_file(image_folder: Path, tmp_path: Path) -> None:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -254,3 +256,28 @@ def test_sweep_removes_only_dead_builds_names() -> None:
     finally:
         for path in (dead, live, other):
             path.unlink(missing_ok=True)
+
+
+_FORKSERVER_FOLDER = """
+import multiprocessing, os, sys
+from multiprocessing import util
+from batchctl.run.processes import start_forkserver
+start_forkserver()
+print(util.get_temp_dir())  # the folder multiprocessing uses: the one batchctl made
+print(multiprocessing.get_context("forkserver").Process(target=os.getpid).start() or "started")
+"""
+
+
+def test_the_fork_servers_folder_is_named_after_the_process_and_removed_at_exit(tmp_path: Path) -> None:
+    temp = Path(tempfile.mkdtemp(prefix="bt", dir="/tmp"))  # short: the socket's path lies in it
+    try:
+        result = subprocess.run(
+            [sys.executable, "-c", _FORKSERVER_FOLDER], capture_output=True, text=True, timeout=60,
+            env={**os.environ, "TMPDIR": str(temp)},
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        folder = Path(result.stdout.splitlines()[0])
+        assert folder.parent == temp and folder.name.startswith("batchctl-mp-"), folder
+        assert list(temp.iterdir()) == []  # removed as the process exited (no pymp-* either)
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)

@@ -14,6 +14,9 @@ Why each is needed:
   taken, and `terminate()` takes both.
 - `process.current_process()._config["semprefix"]`: names the POSIX semaphores a build creates
   after its own pid, so a later build can tell a dead build's leftovers from a live one's.
+- `process.current_process()._config["tempdir"]`: the folder multiprocessing makes at first use
+  (`pymp-*`, for the fork server's socket) and removes at exit, never after a `kill -9`: batchctl
+  makes it itself, named after the build's process, so a later build sweeps a dead one's.
 - `reduction.DupFd`: hands the sample ring's memfd to a child as it is started (no name at all).
 - `SimpleQueue._reader`: the collator waits on its inbox and its control pipe at once
   (`multiprocessing.connection.wait`), so a stop request never waits behind a busy inbox.
@@ -141,6 +144,15 @@ def semaphores_named_after(pid: int) -> Iterator[None]:
             config.pop("semprefix", None)
         else:
             config["semprefix"] = previous
+
+
+def temp_dir() -> str | None:
+    """multiprocessing's temporary folder for this process, if it made one or was given one."""
+    return process.current_process()._config.get("tempdir")  # type: ignore[attr-defined,no-any-return]
+
+
+def set_temp_dir(folder: str) -> None:
+    process.current_process()._config["tempdir"] = folder  # type: ignore[attr-defined]
 
 
 def main_script_for_children() -> str | None:

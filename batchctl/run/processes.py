@@ -10,7 +10,8 @@ signal the whole process group or cgroup; the OOM killer picks one process):
   of the parent alone leaves no orphan. multiprocessing's resource tracker then sees its last
   client gone, unlinks the build's semaphores and exits.
 - What a SIGKILL of the whole group leaves in /dev/shm (the semaphores; the sample ring has no
-  name) carries the dead parent's pid, and any later build sweeps it (`sweep_dead_builds`).
+  name) and in the temporary folder (multiprocessing's, for the fork server's socket) carries the
+  dead parent's pid, and any later build sweeps it (`sweep_dead_builds`).
 
 Kept free of heavy imports: the `batchctl build` command starts the fork server before it even
 parses its options (`batchctl.__main__`), and a build called from Python as soon as it knows there
@@ -20,13 +21,17 @@ parent's own imports and planning.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import multiprocessing as mp
 import os
 import re
+import shutil
 import signal
+import stat
 import sys
+import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from multiprocessing.context import ForkServerContext
@@ -65,6 +70,9 @@ TRACKER_WARNINGS = "ignore::UserWarning:multiprocessing.resource_tracker"
 SHM_DIR = Path("/dev/shm")
 # /dev/shm names batchctl creates (its semaphores), with the pid of the build's parent
 DEAD_BUILD_NAME = re.compile(r"^sem\.batchctl-(\d+)-")
+TEMP_PREFIX = "batchctl-mp-"  # multiprocessing's temporary folder of a build, with the pid of its parent
+DEAD_TEMP_NAME = re.compile(rf"^{TEMP_PREFIX}(\d+)-")
+SOCKET_PATH_MAX = 107  # bytes of a Unix socket's path on Linux
 
 _server_pid: int | None = None  # in the fork server and the children it forks: the server's pid
 
@@ -96,6 +104,7 @@ def start_forkserver() -> None:
             del os.environ["PYTHONWARNINGS"]
         else:
             os.environ["PYTHONWARNINGS"] = warnings
+    name_temp_dir()
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     added = limit_library_threads()  # for the server and its children, not for a calling program
     try:
@@ -104,6 +113,22 @@ def start_forkserver() -> None:
         for name in added:
             os.environ.pop(name, None)
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def name_temp_dir() -> None:
+    """Make multiprocessing's temporary folder (the fork server's socket lives there) ourselves,
+    `batchctl-mp-PID-*` in the temporary folder, unless this process has one already: Python
+    removes its own `pymp-*` at exit only, so every `kill -9` left one; this one is removed at
+    exit too, and a later build sweeps a dead build's (`sweep_dead_builds`)."""
+    from batchctl.run import mpinternals
+
+    prefix = f"{TEMP_PREFIX}{os.getpid()}-"
+    # the socket's path (FOLDER/listener-XXXXXXXX) must fit a Unix socket address: else Python's own
+    if mpinternals.temp_dir() is not None or len(tempfile.gettempdir()) + len(prefix) + 27 > SOCKET_PATH_MAX:
+        return
+    folder = tempfile.mkdtemp(prefix=prefix)
+    mpinternals.set_temp_dir(folder)
+    atexit.register(shutil.rmtree, folder, True)
 
 
 def limit_library_threads() -> list[str]:
@@ -172,9 +197,10 @@ def init_child(title: str, on_sigterm: signal.Handlers = signal.SIG_IGN) -> None
 
 def sweep_dead_builds() -> list[str]:
     """Unlink the /dev/shm names of builds whose parent process is gone (a SIGKILL of a whole
-    process group kills the resource tracker too, which would have unlinked them). Only names with
-    batchctl's own prefix, owned by this user; the names removed."""
-    removed = []
+    process group kills the resource tracker too, which would have unlinked them), and remove
+    their temporary folders (`name_temp_dir`). Only names with batchctl's own prefix, owned by
+    this user; the names removed."""
+    removed = _sweep_temp_dirs()
     with contextlib.suppress(OSError):
         for entry in os.scandir(SHM_DIR):
             match = DEAD_BUILD_NAME.match(entry.name)
@@ -183,6 +209,21 @@ def sweep_dead_builds() -> list[str]:
             with contextlib.suppress(OSError):
                 if entry.stat(follow_symlinks=False).st_uid == os.getuid():
                     os.unlink(entry.path)
+                    removed.append(entry.name)
+    return removed
+
+
+def _sweep_temp_dirs() -> list[str]:
+    removed = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(tempfile.gettempdir()):
+            match = DEAD_TEMP_NAME.match(entry.name)
+            if match is None or alive(int(match.group(1))):
+                continue
+            with contextlib.suppress(OSError):
+                st = entry.stat(follow_symlinks=False)
+                if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid():
+                    shutil.rmtree(entry.path)
                     removed.append(entry.name)
     return removed
 
