@@ -393,9 +393,7 @@ def test_a_file_retried_after_a_transient_failure_is_reported_as_retried(image_f
     assert report["retried"]["paths"] == [victim] and report["changed"]["count"] == 0
 
 
-def test_verify_of_a_dataset_claiming_a_quadrillion_samples_is_bounded_by_the_disk(
-    built: Path, tmp_path: Path
-) -> None:
+def test_verify_of_a_dataset_claiming_a_quadrillion_samples_is_bounded_by_the_disk(built: Path, tmp_path: Path) -> None:
     import resource
 
     data = copy_of(built, tmp_path)

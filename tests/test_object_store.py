@@ -572,8 +572,9 @@ def test_a_cache_dir_of_another_user_or_writable_by_others_is_refused_and_no_nam
     ds = batchctl.open(url, cache_dir=planted, cache_limit="1GB")
     assert secret.read_text() == "mine"
     _same_batches(_epoch(ds), _epoch(batchctl.open(url)))
-    modes = {stat_mode(p) for p in [planted, planted / "data"]}, {stat_mode(p) for p in planted.rglob("*") if p.is_file()}
-    assert modes == ({0o700}, {0o600}), modes  # what was cached is the user's only
+    folders = {stat_mode(p) for p in [planted, planted / "data"]}
+    files = {stat_mode(p) for p in planted.rglob("*") if p.is_file()}
+    assert (folders, files) == ({0o700}, {0o600}), (folders, files)  # what was cached is the user's only
 
 
 def stat_mode(path: Path) -> int:
