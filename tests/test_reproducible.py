@@ -186,3 +186,21 @@ def test_the_reorder_places_chunks_in_dispatch_order() -> None:
     assert order == [0, 1, 2, 3, 4, 5]
     reorder.lost([6])
     assert reorder.take_due() == ((7, 8), "rows")
+
+
+def test_a_plugin_moved_to_another_folder_keeps_the_digest_and_no_path_is_published(
+    photos: Path, tmp_path: Path
+) -> None:
+    first, second = tmp_path / "a" / "plugins.py", tmp_path / "b" / "elsewhere" / "plugins.py"
+    for plugin in (first, second):
+        plugin.parent.mkdir(parents=True)
+        shutil.copy2(PLUGINS, plugin)
+    options = ["--option", "delay=0", "--batch-size", "8", "--shard-batches", "2"]
+    build(photos, tmp_path / "one.zarr", "--preprocess", f"{first}:slow_image", *options)
+    build(photos, tmp_path / "two.zarr", "--preprocess", f"{second}:slow_image", *options)
+    assert digest_of(tmp_path / "one.zarr") == digest_of(tmp_path / "two.zarr")
+    documents = [p.read_text() for p in (tmp_path / "one.zarr").rglob("zarr.json")]
+    assert not any(str(tmp_path) in text for text in documents)  # the plugin is named "plugins.py:slow_image"
+    assert any('"plugins.py:slow_image"' in text for text in documents)
+    moved = run_cli("build", photos, "-o", tmp_path / "one.zarr", "--preprocess", f"{second}:slow_image", *options)
+    assert moved.returncode == 0 and "up to date" in moved.stderr, moved.stderr  # the same code: nothing to redo

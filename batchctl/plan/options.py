@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
 from batchctl.errors import FormatError, UsageError
-from batchctl.preprocess import Preprocessor
+from batchctl.preprocess import Preprocessor, portable_name
 from batchctl.store import metadata as meta, storage
 
 
@@ -72,7 +72,11 @@ def dataset_spec(options: BuildOptions, preprocessor: Preprocessor, pp_options: 
         "batch_size": options.batch_size,
         "shard_batches": options.shard_batches,
         "compression": options.compression,
-        "preprocess": {"name": preprocessor.name, "options": dict(pp_options), "code": preprocessor.code},
+        "preprocess": {
+            "name": portable_name(preprocessor.name),
+            "options": dict(pp_options),
+            "code": preprocessor.code,
+        },
         "include": list(options.include),
     }
 

@@ -27,7 +27,18 @@ from batchctl.preprocess.base import (
     takes,
 )
 
-__all__ = ["Block", "PreprocessFn", "Preprocessor", "Sample", "builtins", "native", "resolve", "stack_samples", "takes"]
+__all__ = [
+    "Block",
+    "PreprocessFn",
+    "Preprocessor",
+    "Sample",
+    "builtins",
+    "native",
+    "portable_name",
+    "resolve",
+    "stack_samples",
+    "takes",
+]
 
 
 def builtins() -> dict[str, Preprocessor]:
@@ -59,6 +70,15 @@ def resolve(spec: str) -> Preprocessor:
         raise UsageError(f"--preprocess {spec}: {attr!r} is a {type(fn).__name__}, not a function.")
     include = tuple(getattr(fn, FILES_ATTRIBUTE, ()))
     return Preprocessor(name=f"{where}:{attr}", fn=fn, include=include, code=_code_of(module))
+
+
+def portable_name(name: str) -> str:
+    """A preprocessor's name as a dataset records it: a plugin file by its file name, not its
+    path (`/home/me/x/plugins.py:fn` -> `plugins.py:fn`): the same files, options and code give
+    the same dataset wherever the plugin lies, and no path of the build machine is published.
+    (Its code is named by its hash beside it.)"""
+    where, colon, attr = name.rpartition(":")
+    return f"{Path(where).name}:{attr}" if colon and where.endswith(".py") else name
 
 
 def _code_of(module: ModuleType) -> str:
