@@ -273,6 +273,8 @@ def info(
         data = read_info(path, parse_storage_options(storage_option or []))
     except BatchctlError as exc:
         _fail(str(exc), 1)
+    except OSError as exc:  # a store that cannot be reached, a refusal, missing credentials
+        _fail(exc.strerror or str(exc), 1)
     if as_json:
         typer.echo(json.dumps(data, indent=2))
         return
@@ -338,6 +340,8 @@ def verify(
             problems = run_verify(path, on_batch=bar.update, storage_options=storage_options)
     except BatchctlError as exc:
         _fail(str(exc), 1)
+    except OSError as exc:  # a store that cannot be reached, a refusal, missing credentials
+        _fail(exc.strerror or str(exc), 1)
     for problem in problems:
         typer.echo(f"batchctl: bad: {problem}", err=True)
     if problems:
@@ -348,10 +352,11 @@ def verify(
 
 @app.command(cls=Command, epilog=READ_EXIT_CODES)
 def preview(
-    path: Annotated[Path, typer.Argument(help="A batchctl dataset.")],
+    path: Annotated[str, typer.Argument(help="A batchctl dataset: a path or a URL.")],
     output: Annotated[Path, typer.Option("-o", "--output", metavar="FILE", help="PNG file to write.")],
     batch: Annotated[int, typer.Option(help="Which batch to show.", min=0, metavar="N")] = 0,
     count: Annotated[int, typer.Option(help="How many samples of it.", min=1, metavar="N")] = 16,
+    storage_option: Annotated[Optional[list[str]], STORAGE_OPTION] = None,
 ) -> None:
     """Draw samples of one batch into a PNG grid, captioned with their class (or file) names."""
     from batchctl.read.preview import preview as draw_preview
@@ -360,11 +365,14 @@ def preview(
         _check_writable_destination(output, "-o")
         if output.suffix.lower() != ".png":
             raise UsageError(f"Expected -o to name a .png file, got {str(output)!r} instead.")
-        drawn = draw_preview(path, output, batch=batch, count=count)
+        options = parse_storage_options(storage_option or [])
+        drawn = draw_preview(path, output, batch=batch, count=count, storage_options=options)
     except UsageError as exc:
         _fail(str(exc), 2)
     except BatchctlError as exc:
         _fail(str(exc), 1)
+    except OSError as exc:  # a store that cannot be reached, a refusal, missing credentials
+        _fail(exc.strerror or str(exc), 1)
     if isinstance(drawn, str):  # neither images nor audio: the rows themselves
         typer.echo(drawn)
         typer.echo(f"{path} has no image or audio field to draw: batch {batch}'s first rows above", err=True)

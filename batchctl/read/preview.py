@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -15,10 +16,17 @@ TILE = 160
 LABEL_H = 16
 
 
-def preview(path: str | os.PathLike[str], output: str | os.PathLike[str], batch: int = 0, count: int = 16) -> int | str:
+def preview(
+    path: str | os.PathLike[str],
+    output: str | os.PathLike[str],
+    batch: int = 0,
+    count: int = 16,
+    storage_options: Mapping[str, object] | None = None,
+) -> int | str:
     """Write a grid of the first `count` samples of `batch` to `output` and return how many were
-    drawn; a dataset with neither images nor audio has nothing to draw: its rows as a text table."""
-    ds = Dataset(path, allow_partial=True)
+    drawn; a dataset with neither images nor audio has nothing to draw: its rows as a text table.
+    `path` is local or a URL (`storage_options` as for `batchctl.open`)."""
+    ds = Dataset(path, allow_partial=True, storage_options=storage_options)
     if not 0 <= batch < ds.num_batches:
         raise UsageError(f"Expected --batch between 0 and {ds.num_batches - 1}, got {batch} instead.")
     rows = ds[batch]

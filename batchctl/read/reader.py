@@ -44,6 +44,8 @@ class Dataset:
             raise UsageError("cache_limit needs cache_dir: the folder the cache is kept in")
         # a local dataset's folder is held open first: what is read next is of this version
         self._root = None if storage.is_url(self.path) else chunkread.DatasetRoot(Path(self.path))
+        if self._root is None:
+            _check_reachable(self.path, self.storage_options)
         try:
             self.group, self.attrs = fmt.open_group(self.path, allow_partial, self.storage_options)
             self.arrays = fmt.open_dataset_arrays(self.group, self.attrs, self.path)
@@ -265,6 +267,16 @@ class Dataset:
 
     def __repr__(self) -> str:
         return f"Dataset({self.path!r}, samples={self.num_samples}, batches={self.num_batches})"
+
+
+def _check_reachable(url: str, storage_options: Mapping[str, object]) -> None:
+    """Read the group's document through batchctl's own store calls first: an unreachable store,
+    missing credentials or a refusal is one `StoreError` line naming the store (zarr-python's
+    concurrent probes would print every client's traceback), a missing one a `FormatError`."""
+    try:
+        zarrmeta.DatasetFiles(url, storage_options).read(zarrmeta.ZARR_JSON)
+    except FileNotFoundError:
+        raise FormatError(f"{url}: no batchctl dataset here (no zarr.json; `batchctl build` makes one).") from None
 
 
 def open(  # noqa: A001 - the public name
