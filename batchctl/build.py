@@ -159,6 +159,7 @@ class _Builder:
         written = start.written()
         tasks = make_tasks(self.preprocessor, self.pp_options, self.source, discovery.items, written, start.only)
         check_signalled()
+        self.tally.files = len(discovery.items) + len(discovery.unreadable)
         for relpath, reason in discovery.unreadable:
             self.tally.error(relpath, reason)
         self.progress.start(len(tasks), len(start.kept.batches), any(task.part for task in tasks))

@@ -72,3 +72,9 @@ def library_threads(path: Path) -> dict[str, np.ndarray]:
     """The thread counts BLAS and OpenMP were given in the worker's environment (0: none given)."""
     names = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
     return {"threads": np.array([int(os.environ.get(name, "0")) for name in names], np.int32)}
+
+
+@takes("*.txt")
+def tokens(path: Path) -> dict[str, np.ndarray]:
+    """Byte tokens of the whole file: outputs that vary in length (no fixed shape)."""
+    return {"tokens": np.frombuffer(path.read_bytes(), dtype=np.uint8).astype(np.int32)}

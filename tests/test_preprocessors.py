@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import batchctl
-from tests.conftest import ROOT, run_cli
+from tests.conftest import PLUGINS, ROOT, run_cli
 
 
 def write_wav(path: Path, rate: int, samples: np.ndarray) -> None:
@@ -315,3 +315,19 @@ def test_small_npy_reader_matches_np_load(array: np.ndarray) -> None:
     assert got.dtype == array.dtype and got.shape == array.shape and np.array_equal(got, array)
     with pytest.raises(ValueError):
         read_small_npy(buffer.getvalue()[: -max(1, array.nbytes // 2)] if array.nbytes else b"junk")
+
+
+def test_a_build_where_most_files_are_skipped_fails_unless_given_a_budget(tmp_path: Path) -> None:
+    src, out = tmp_path / "docs", tmp_path / "docs.zarr"
+    src.mkdir()
+    for n in range(40):
+        (src / f"d{n:02d}.txt").write_text("word " * (10 + n))  # 40 lengths: one fixes the shape, 39 do not fit
+    plugin = ["--preprocess", f"{PLUGINS}:tokens", "--workers", "2", "--batch-size", "4"]
+    result = run_cli("build", src, "-o", out, *plugin)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    error = [line for line in result.stderr.splitlines() if line.startswith("batchctl: error:")]
+    assert len(error) == 1 and "most files were skipped" in error[0] and "--max-errors" in error[0], error
+    assert "field 'tokens'" in error[0] and not out.exists()
+    allowed = run_cli("build", src, "-o", out, *plugin, "--max-errors", "100")
+    assert allowed.returncode == 0, allowed.stderr  # the budget the user asked for
+    assert batchctl.open(out).num_samples == 1

@@ -1,19 +1,27 @@
 """Counting a build's results and keeping its error budget, the same for either engine: each
 finished task counts its file and samples, each skipped file is one error in the report, and
-the build fails the moment the errors pass `--max-errors` (`--strict`: the first)."""
+the build fails the moment the errors pass `--max-errors` (`--strict`: the first). Without a
+budget, a build fails once more than half of its files are skipped (`MOSTLY_SKIPPED`): a
+dataset of the few files left is not what anyone asked for, and one reason is usually to blame."""
 
 from __future__ import annotations
+
+import re
+from collections import Counter
 
 from batchctl.errors import BuildFailed
 from batchctl.progress import Progress
 from batchctl.records import Rejected, TaskResult
 from batchctl.report import BuildReport, FileError
 
+MOSTLY_SKIPPED = 0.5  # of the build's files: more skipped fails a build given no --max-errors
+
 
 class Tally:
     def __init__(self, report: BuildReport, progress: Progress, max_errors: int | None) -> None:
         self.report, self.progress, self.max_errors = report, progress, max_errors
         self.new_samples = 0  # samples preprocessed by this run (a rejected output's taken back)
+        self.files = 0  # the build's files, all of them (set once they are found)
 
     def result(self, result: TaskResult) -> None:
         """A worker finished a task (a file, or a part of a big one)."""
@@ -38,3 +46,17 @@ class Tally:
             raise BuildFailed(f"{relpath} was skipped ({reason}); --strict (--max-errors 0) allows none", self.report)
         if limit is not None and len(self.report.errors) > limit:
             raise BuildFailed(f"more than {limit} files were skipped with errors (--max-errors {limit})", self.report)
+        if limit is None and len(self.report.errors) > self.files * MOSTLY_SKIPPED:
+            raise BuildFailed(self._mostly_skipped(), self.report)
+
+    def _mostly_skipped(self) -> str:
+        """Most files skipped: how many, and the commonest reason (numbers aside: a shape's differ)."""
+        errors = self.report.errors
+        kinds = Counter(re.sub(r"\d+", "N", error.error) for error in errors)
+        kind, count = kinds.most_common(1)[0]
+        example = next(error for error in errors if re.sub(r"\d+", "N", error.error) == kind)
+        return (
+            f"most files were skipped ({len(errors)} of {self.files}), {count} of them for one reason, as "
+            f"{example.source}: {example.error}; pass --max-errors N to publish the rest anyway "
+            "(outputs that vary in length: pad them, docs/preprocessors.md)"
+        )
