@@ -25,7 +25,7 @@ from batchctl.errors import (
     signal_handled,
     signalled_in,
 )
-from batchctl.plan.discover import Discovery, discover, hash_files
+from batchctl.plan.discover import Discovery, check_source, discover, hash_files
 from batchctl.plan.options import BuildKwargs, BuildOptions, build_options, dataset_spec
 from batchctl.plan.start import Interrupted, Published, Request, Start, plan_start, untrusted_work
 from batchctl.plan.tasks import make_tasks
@@ -109,6 +109,7 @@ class _Builder:
         self.digests: dict[str, str] = {}  # --checksum: each input's content hash
 
     def run(self) -> BuildReport:
+        check_source(self.source)  # a typo is a usage error that leaves nothing behind, no lock file either
         if storage.is_url(self.output):
             _check_store_reachable(self.paths)
         elif not self.paths.output.parent.is_dir():

@@ -116,6 +116,12 @@ def walk_files(root: Path, skip: str | None = None) -> Iterable[tuple[str, os.st
     yield from visit(root, "")
 
 
+def check_source(source: str) -> None:
+    """A local SOURCE must be a folder: a usage error, found before anything is done (or locked)."""
+    if not storage.is_url(source) and not Path(source).is_dir():
+        raise UsageError(f"SOURCE {source} is not a folder.")
+
+
 def discover(
     source: str,
     accepts: Callable[[str], bool],
@@ -135,8 +141,7 @@ def discover(
     skip = _inside(output, source)
     if storage.is_url(source):
         return _discover_url(source, accepts, seed, storage_options, skip)
-    if not Path(source).is_dir():
-        raise UsageError(f"SOURCE {source} is not a folder.")
+    check_source(source)
     found: list[tuple[str, int, int]] = []
     ignored: list[str] = []
     unreadable: list[tuple[str, str]] = []
