@@ -10,6 +10,7 @@ the stored batches. Numeric fields become tensors; `source` stays a list of stri
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.context import get_spawning_popen
@@ -24,6 +25,10 @@ from torch.utils.data import Dataset as TorchDataset, IterableDataset, get_worke
 from batchctl.errors import ResumeMismatchError
 from batchctl.read.loader import Loader
 from batchctl.read.reader import Batch, Dataset
+
+# torchdata 0.11's StatefulDataLoader calls a function torch 2.13 deprecates, on every iterator it
+# makes: a warning the user can do nothing about, in every run of a recipe (one message, no other)
+warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
 
 
 def to_torch(batch: Batch) -> dict[str, Any]:

@@ -484,3 +484,31 @@ def _replace_in(value: Any, key: str, new: int) -> Any:
     if isinstance(value, list):
         return [_replace_in(v, key, new) for v in value]
     return value
+
+
+_RECIPE = """
+import sys
+from torchdata.stateful_dataloader import StatefulDataLoader
+from batchctl.torch import IterableBatches
+loader = StatefulDataLoader(IterableBatches(sys.argv[1], batch_size=6), batch_size=None, num_workers=0)
+print(sum(1 for _ in loader))
+"""
+
+
+def test_the_pytorch_recipe_runs_without_warnings_and_the_extra_is_a_range(numbered: Path) -> None:
+    pytest.importorskip("torchdata")
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    result = subprocess.run(
+        [sys.executable, "-W", "default", "-c", _RECIPE, str(numbered)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "34", result.stderr
+    assert "Warning" not in result.stderr, result.stderr  # torchdata's 'set_vital' deprecation is not the user's
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["torch"]
+    (torch,) = (Requirement(r) for r in extra)
+    import torch as installed
+
+    for version in (installed.__version__, "2.4.1+cu121", "2.7.0"):  # the suite's, and a user's CUDA builds
+        assert torch.specifier.contains(version, prereleases=False), (version, torch.specifier)

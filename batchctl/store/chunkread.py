@@ -144,7 +144,7 @@ class ChunkReader:
         self.per_shard = arr.grid[0] // self.chunk_shape[0]
         self.dtype = np.dtype(arr.dtype)
         self.inner = [codec["name"] for codec in inner]
-        self._shards: dict[int, tuple[io.FileIO, mmap.mmap, np.ndarray]] = {}
+        self._shards: dict[int, _OpenShard] = {}
         self._lock = threading.Lock()
         self._local = threading.local()
 
@@ -153,7 +153,7 @@ class ChunkReader:
         inner = own_codecs(arr)
         return None if inner is None else cls(root, arr, inner)
 
-    def _shard(self, shard: int) -> tuple[io.FileIO, mmap.mmap, np.ndarray]:
+    def _shard(self, shard: int) -> _OpenShard:
         """An open shard file, its mapping and its index; the last few are kept."""
         with self._lock:  # prefetch threads share the cache
             cached = self._shards.get(shard)
@@ -164,7 +164,7 @@ class ChunkReader:
                 self._shards[shard] = cached
         return cached
 
-    def _open(self, shard: int) -> tuple[io.FileIO, mmap.mmap, np.ndarray]:
+    def _open(self, shard: int) -> _OpenShard:
         """The shard file, opened and mapped, and its index, checked against its crc32c."""
         file = self.root.open(self.arr.shard_key(shard), f"{self.arr.name} shard {shard}")
         nbytes = self.per_shard * 16 + 4
@@ -172,7 +172,7 @@ class ChunkReader:
         raw = os.pread(file.fileno(), nbytes, size - nbytes) if size >= nbytes else b""
         index = parse_shard_index(raw, self.per_shard, f"shard {shard}")
         mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
-        return file, mapped, index
+        return _OpenShard(file, mapped, index)
 
     def read(self, chunk: int) -> np.ndarray:
         """Chunk `chunk` as an array of the full chunk shape (rows past the end are fill)."""
@@ -191,7 +191,8 @@ class ChunkReader:
 
     def _read_rows(self, chunk: int, rows: list[np.ndarray]) -> None:
         shard, position = divmod(chunk, self.per_shard)
-        file, mapped, index = self._shard(shard)
+        held = self._shard(shard)  # kept while this read uses it: the file closes with the last holder
+        file, mapped, index = held.file, held.mapped, held.index
         offset, nbytes = (int(v) for v in index[position])
         if offset == NO_CHUNK:  # zarr would read fill values; in a batchctl dataset it is damage
             raise FormatError(f"{self.arr.name} shard {shard}: batch {chunk} is missing from the shard")
@@ -230,6 +231,19 @@ class ChunkReader:
     def _decode(self, shard: int, position: int, mapped: mmap.mmap, offset: int, nbytes: int, out: np.ndarray) -> None:
         # compressed chunks are decoded straight from the mapping (measured faster than pread here)
         decode_chunk(self.inner, memoryview(mapped)[offset : offset + nbytes], out, f"shard {shard}, chunk {position}")
+
+
+class _OpenShard:
+    """A shard file opened for reading, its mapping and its index; the file is closed when the last
+    reader lets go of it (no ResourceWarning for a file left to the garbage collector)."""
+
+    __slots__ = ("file", "index", "mapped")
+
+    def __init__(self, file: io.FileIO, mapped: mmap.mmap, index: np.ndarray) -> None:
+        self.file, self.mapped, self.index = file, mapped, index
+
+    def __del__(self) -> None:
+        self.file.close()
 
 
 def decode_chunk(inner: list[str], data: memoryview, out: np.ndarray, where: str) -> None:
