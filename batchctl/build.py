@@ -26,7 +26,7 @@ from batchctl.errors import (
     signalled_in,
 )
 from batchctl.plan.discover import Discovery, check_source, discover, hash_files
-from batchctl.plan.options import BuildKwargs, BuildOptions, build_options, dataset_spec
+from batchctl.plan.options import BuildKwargs, BuildOptions, build_options, dataset_spec, default_workers
 from batchctl.plan.start import Interrupted, Published, Request, Start, plan_start, untrusted_work
 from batchctl.plan.tasks import make_tasks
 from batchctl.prepare import damaged_shards, prepare, read_interrupted, read_published
@@ -238,6 +238,12 @@ class _Builder:
         return Carry(seeded.carry_from, dict(self.options.storage_options), start.carry_shard_rows, list(start.carry))
 
     def _run_local(self, discovery: Discovery, start: Start, tasks: list[Task]) -> Finished:
+        cores = default_workers()
+        if self.options.workers > cores:  # as PyTorch's DataLoader warns: said once, the number kept
+            self.progress.info(
+                f"note: --workers {self.options.workers} is more than the {cores} cores this build may use; "
+                f"the workers share them, which is slower than --workers {cores}"
+            )
         config = PipelineConfig(
             self.preprocessor,
             self.pp_options,

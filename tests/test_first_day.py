@@ -304,3 +304,16 @@ def test_a_usage_error_leaves_no_lock_file(tmp_path: Path) -> None:
     code, err = run_in(tmp_path, "build", tmp_path / "typo_dir")
     assert code == 2 and "SOURCE" in err and "is not a folder" in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no .typo_dir.zarr.batchctl.lock, nothing
+
+
+def test_more_workers_than_cores_is_said_once_and_kept(tmp_path: Path) -> None:
+    src = texts(tmp_path)
+    (tmp_path / "tok.py").write_text(PLUGIN)
+    cores = len(os.sched_getaffinity(0))
+    args = ("--preprocess", "tok.py:tokens", "--include", "*.txt", "--workers", str(cores + 2))
+    code, err = run_in(tmp_path, "build", src, "-o", tmp_path / "t.zarr", *args)
+    assert code == 0, err
+    said = [line for line in err.splitlines() if f"--workers {cores + 2}" in line]
+    assert len(said) == 1 and f"{cores} cores" in said[0], err
+    code, err = run_in(tmp_path, "build", src, "-o", tmp_path / "q.zarr", *args, "--quiet")
+    assert code == 0 and err == "", err  # --quiet: errors only
