@@ -281,11 +281,22 @@ def info(
     typer.echo(_describe(data))
 
 
+def _last_batch(data: dict[str, Any]) -> str:
+    """`, the last of N` where the last stored batch is short."""
+    last = data["num_samples"] - (data["num_batches"] - 1) * data["batch_size"]
+    return f" (the last holds {last})" if data["num_batches"] and last != data["batch_size"] else ""
+
+
+def _why_ignored(data: dict[str, Any], path: str) -> str:
+    """A file beside the class folders has no class: say so (the others' reasons are the listed kinds)."""
+    return " (beside the class folders: it has no class)" if data["classes"] and "/" not in path else ""
+
+
 def _describe(data: dict[str, Any]) -> str:
     lines = [
         f"{data['path']}: {'complete' if data['complete'] else 'NOT COMPLETE'}",
         f"  {count_of(data['num_samples'], 'sample')}, "
-        f"{count_of(data['num_batches'], 'batch')} of {data['batch_size']}, "
+        f"{count_of(data['num_batches'], 'batch')} of {data['batch_size']}{_last_batch(data)}, "
         f"{count_of(data['num_shards'], 'shard')} (up to {data['shard_batches']} batches each), "
         f"{size_text(data['bytes'])} on disk",
         f"  compression {data['compression']}; preprocess {json.dumps(data['preprocess'])}",
@@ -311,8 +322,8 @@ def _describe(data: dict[str, Any]) -> str:
         if data["errors"] > SKIPPED_SHOWN:
             lines.append(f"    ... and {data['errors'] - SKIPPED_SHOWN} more (info --json lists up to 1000)")
     if data["ignored_paths"]:
-        lines.append("  ignored (not taken by the preprocessor, or not regular files):")
-        lines += [f"    {path}" for path in data["ignored_paths"][:SKIPPED_SHOWN]]
+        lines.append("  ignored (not taken by the preprocessor, not regular files, or outside the class folders):")
+        lines += [f"    {path}{_why_ignored(data, path)}" for path in data["ignored_paths"][:SKIPPED_SHOWN]]
         if data["ignored"] > SKIPPED_SHOWN:
             lines.append(f"    ... and {data['ignored'] - SKIPPED_SHOWN} more (info --json lists up to 1000)")
     return "\n".join(lines)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -317,3 +318,17 @@ def test_more_workers_than_cores_is_said_once_and_kept(tmp_path: Path) -> None:
     assert len(said) == 1 and f"{cores} cores" in said[0], err
     code, err = run_in(tmp_path, "build", src, "-o", tmp_path / "q.zarr", *args, "--quiet")
     assert code == 0 and err == "", err  # --quiet: errors only
+
+
+def test_info_says_the_short_last_batch_and_why_a_loose_file_was_ignored(tmp_path: Path) -> None:
+    from batchctl.synthetic import make_image_folder
+
+    src = tmp_path / "photos"
+    make_image_folder(src, 10, sides=(40, 60))
+    loose = sorted((src / "cat").iterdir())[0]
+    shutil.copy2(loose, src / "loose.jpg")  # beside the class folders
+    out = tmp_path / "p.zarr"
+    assert run_in(tmp_path, "build", src, "-o", out, "--batch-size", "4", "--resize", "32", "--crop", "32")[0] == 0
+    text = subprocess.run([*BATCHCTL, "info", str(out)], capture_output=True, text=True, cwd=ROOT).stdout
+    assert "3 batches of 4 (the last holds 2)" in text, text
+    assert "loose.jpg (beside the class folders: it has no class)" in text, text
