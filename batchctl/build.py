@@ -163,7 +163,9 @@ class _Builder:
         self.tally.files = len(discovery.items) + len(discovery.unreadable)
         for relpath, reason in discovery.unreadable:
             self.tally.error(relpath, reason)
-        self.progress.start(len(tasks), len(start.kept.batches), any(task.part for task in tasks))
+        self.report.carried_samples = sum(run.rows for run in start.carry)
+        split = any(task.part for task in tasks)
+        self.progress.start(len(tasks), len(start.kept.batches), split, self.report.carried_samples)
         if self.options.engine == "dask":
             finished = self._run_dask(discovery, start, tasks)
         else:
@@ -390,7 +392,8 @@ class _Builder:
         self.report.status = status
         self.report.message = message
         self.report.elapsed_s = round(time.monotonic() - self.started, 3)
-        self.report.samples_per_s = round(self.tally.new_samples / max(self.report.elapsed_s, 1e-9), 1)
+        written = self.tally.new_samples + self.report.carried_samples  # this run's work: preprocessed and carried
+        self.report.samples_per_s = round(written / max(self.report.elapsed_s, 1e-9), 1)
         if status in ("interrupted", "failed"):
             self.report.samples = self.tally.new_samples
         return self.report

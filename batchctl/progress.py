@@ -23,12 +23,13 @@ SAME_REASON_LISTED = 3  # files named per skip reason before the rest are counte
 class Progress:
     """Silent progress: the default for code that calls `build()`."""
 
-    def start(self, tasks: int, batches_done: int, split: bool = False) -> None:
-        """`tasks` files to preprocess (parts of files when `split`), `batches_done` kept from before."""
+    def start(self, tasks: int, batches_done: int, split: bool = False, carried: int = 0) -> None:
+        """`tasks` files to preprocess (parts of files when `split`), `batches_done` kept from before,
+        `carried` rows an incremental build reads from the last build and writes again."""
 
     def files_done(self, count: int = 1) -> None: ...
 
-    def batches_written(self, batches: int) -> None: ...
+    def batches_written(self, batches: int, rows: int = 0) -> None: ...
 
     def error(self, source: str, reason: str) -> None: ...
 
@@ -45,18 +46,27 @@ class ConsoleProgress(Progress):
         self.files: tqdm | None = None
         self.batches: tqdm | None = None
         self.total = self.done = self.batch_count = 0
+        self.rows_expected = self.rows_written = 0  # rows this run writes: carried, and at least one a file
         self.unit = "file"
         self.started = self.last_log = time.monotonic()
         self.reasons: dict[str, list[Any]] = {}  # reason -> [files skipped for it, the first]
 
-    def start(self, tasks: int, batches_done: int, split: bool = False) -> None:
+    def start(self, tasks: int, batches_done: int, split: bool = False, carried: int = 0) -> None:
         self.total, self.batch_count, self.unit = tasks, batches_done, "part" if split else "file"
+        self.rows_expected = carried + tasks if carried else 0  # only an incremental build carries rows
         self.started = self.last_log = time.monotonic()
         if self.bars:
             from tqdm import tqdm
 
             self.files = tqdm(total=tasks, desc="preprocess", unit=self.unit, file=self.stream, dynamic_ncols=True)
-            self.batches = tqdm(initial=batches_done, desc="write", unit="batch", file=self.stream, dynamic_ncols=True)
+            if self.rows_expected:  # carrying is most of an incremental build's work: counted in rows
+                self.batches = tqdm(
+                    total=self.rows_expected, desc="write", unit="row", file=self.stream, dynamic_ncols=True
+                )
+            else:
+                self.batches = tqdm(
+                    initial=batches_done, desc="write", unit="batch", file=self.stream, dynamic_ncols=True
+                )
 
     def files_done(self, count: int = 1) -> None:
         self.done += count
@@ -65,22 +75,29 @@ class ConsoleProgress(Progress):
         else:
             self._maybe_log()
 
-    def batches_written(self, batches: int) -> None:
+    def batches_written(self, batches: int, rows: int = 0) -> None:
         self.batch_count += batches
+        self.rows_written += rows
         if self.batches is not None:
-            self.batches.update(batches)
+            self.batches.update(rows if self.rows_expected else batches)
+        elif self.rows_expected:
+            self._maybe_log()
 
     def _maybe_log(self) -> None:
         now = time.monotonic()
         if self.quiet or now - self.last_log < LOG_INTERVAL_S:
             return
         self.last_log = now
-        rate = self.done / max(now - self.started, 1e-9)
-        eta = (self.total - self.done) / rate if rate else float("inf")
-        self._write(
-            f"batchctl: {self.done}/{self.total} {self.unit}s ({rate:.1f}/s, ETA {eta:.0f} s), "
-            f"{self.batch_count} batches written"
-        )
+        elapsed = max(now - self.started, 1e-9)
+        rate = self.done / elapsed
+        eta = (self.total - self.done) / rate if rate else 0.0 if self.done >= self.total else float("inf")
+        written = f"{self.batch_count} batches written"
+        if self.rows_expected:  # the carried rows too: the slower of the two says when it ends
+            row_rate = self.rows_written / elapsed
+            left = max(self.rows_expected - self.rows_written, 0)
+            eta = max(eta, left / row_rate if row_rate else float("inf"))
+            written = f"{self.rows_written}/{self.rows_expected} rows written ({row_rate:.0f}/s)"
+        self._write(f"batchctl: {self.done}/{self.total} {self.unit}s ({rate:.1f}/s), {written}, ETA {eta:.0f} s")
 
     def error(self, source: str, reason: str) -> None:
         """One line per skipped file, but a reason shared by many files (a plugin's bug, a wrong

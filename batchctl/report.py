@@ -56,6 +56,7 @@ class BuildReport:
     resumed_samples: int = 0  # samples kept from an interrupted run (in those shards and after them)
     changes: Changes | None = None  # an incremental build: what changed in SOURCE since the last build
     kept_samples: int = 0  # an incremental build: samples of unchanged files kept from the last build
+    carried_samples: int = 0  # of those, the ones read from rewritten shards and written again by this run
     errors: list[FileError] = field(default_factory=list)
     ignored: int = 0
     ignored_paths: list[str] = field(default_factory=list)  # the first 1000 of them
@@ -111,12 +112,15 @@ class BuildReport:
                 f"{self.changes.removed['count']} removed"
                 + (f", {retried} retried" if retried else "")
                 + (f", {redone} redone (damaged shards)" if redone else "")
-                + f"; {count_of(self.kept_samples, 'sample')} kept)"
+                + f"; {count_of(self.kept_samples, 'sample')} kept"
+                + (f", {self.carried_samples} of them carried into rewritten shards" if self.carried_samples else "")
+                + ")"
             )
         if self.resumed_samples:
             text += f" ({count_of(self.resumed_samples, 'sample')} kept from an interrupted run)"
         text += f", {len(self.errors)} skipped with errors, {self.ignored} ignored; "
-        rate = f", {self.samples_per_s:.1f} samples/s" if self.processed else ""  # none new: no rate to give
+        # the samples this run wrote (preprocessed and carried) per second; none written: no rate to give
+        rate = f", {self.samples_per_s:.1f} samples/s written" if self.processed or self.carried_samples else ""
         text += f"{self.elapsed_s:.1f} s{rate}."
         return text
 

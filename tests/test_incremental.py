@@ -298,3 +298,28 @@ def test_a_damaged_kept_shard_is_rebuilt_from_its_files_never_vouched_for(
     fresh = tmp_path / "fresh.zarr"
     build(folder, fresh)
     assert_same_rows(rows_by_key(out), rows_by_key(fresh))
+
+
+def test_an_incremental_runs_progress_and_summary_count_the_rows_it_carries(
+    folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "data.zarr"
+    build(folder, out)  # 40 rows: 5 full shards of 8
+    (sorted((folder / "cat").iterdir())[0]).unlink()  # a removal rewrites its shard: its 7 other rows are carried
+    report = build(folder, out)
+    assert report["processed"] == 0 and report["carried_samples"] == 7 and report["kept_samples"] == 39
+    assert "39 samples kept, 7 of them carried into rewritten shards" in report["stderr"]
+    assert "samples/s written" in report["stderr"] and report["samples_per_s"] > 0  # carrying is this run's work
+
+    import io
+
+    from batchctl import progress as progress_module
+
+    monkeypatch.setattr(progress_module, "LOG_INTERVAL_S", 0.0)
+    shown = io.StringIO()
+    progress = progress_module.ConsoleProgress(stream=shown)
+    progress.start(tasks=3, batches_done=30, carried=97)
+    progress.files_done(3)
+    progress.batches_written(1, rows=40)
+    line = shown.getvalue().splitlines()[-1]
+    assert "3/3 files" in line and "40/100 rows written" in line and "ETA" in line, line

@@ -252,7 +252,7 @@ class Pipeline:
             except queue.Empty:
                 return None
             if isinstance(event, BatchWritten):
-                self.progress.batches_written(1)
+                self.progress.batches_written(1, event.rows)
             elif isinstance(event, Rejected):
                 self.tally.rejected(event)
             elif isinstance(event, Crashed):
