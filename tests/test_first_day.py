@@ -265,6 +265,7 @@ def test_each_array_explains_itself_and_the_group_is_consolidated(tmp_path: Path
     image = zarr.open_array(str(out / "image"), mode="r")  # one array alone, as tensorstore or dask open it
     assert image.metadata.dimension_names == ("sample", "height", "width", "channel")
     assert image.attrs["layout"] == "hwc"
+    assert image.attrs["color_space"] == "RGB" and image.attrs["value_range"] == [0, 255]  # what the numbers mean
     assert zarr.open_array(str(out / "label"), mode="r").attrs["classes"] == ["cat", "dog", "fish"]
     assert zarr.open_array(str(out / "source"), mode="r").attrs["encoding"] == "UTF-8"
     with warnings.catch_warnings():
@@ -332,3 +333,29 @@ def test_info_says_the_short_last_batch_and_why_a_loose_file_was_ignored(tmp_pat
     text = subprocess.run([*BATCHCTL, "info", str(out)], capture_output=True, text=True, cwd=ROOT).stdout
     assert "3 batches of 4 (the last holds 2)" in text, text
     assert "loose.jpg (beside the class folders: it has no class)" in text, text
+
+
+DESCRIBED = """
+import numpy as np
+from batchctl.preprocess import describes
+
+@describes(tokens={"dimension_names": ["token"], "attributes": {"meaning": "file length, repeated", "units": "bytes"}})
+def tokens(path, length=4):
+    return {"tokens": np.full(length, len(path.read_bytes()), dtype=np.int32)}
+"""
+
+
+def test_a_plugin_names_its_dimensions_and_describes_its_fields(tmp_path: Path) -> None:
+    import zarr
+
+    src = texts(tmp_path)
+    (tmp_path / "tok.py").write_text(DESCRIBED)
+    out = tmp_path / "t.zarr"
+    code, err = run_in(tmp_path, "build", src, "-o", out, "--preprocess", "tok.py:tokens", "--include", "*.txt")
+    assert code == 0, err
+    tokens = zarr.open_array(str(out / "tokens"), mode="r")  # opened alone, as tensorstore or xarray would
+    assert tokens.metadata.dimension_names == ("sample", "token")
+    assert tokens.attrs["meaning"] == "file length, repeated" and tokens.attrs["units"] == "bytes"
+    (tmp_path / "bad.py").write_text(DESCRIBED.replace('["token"]', '"token"').replace("def tokens", "def bad"))
+    code, err = run_in(tmp_path, "build", src, "-o", tmp_path / "b.zarr", "--preprocess", "bad.py:bad")
+    assert code == 2 and "dimension_names must be a list of names" in err and err.count("\n") == 1, err

@@ -512,3 +512,29 @@ def test_the_pytorch_recipe_runs_without_warnings_and_the_extra_is_a_range(numbe
 
     for version in (installed.__version__, "2.4.1+cu121", "2.7.0"):  # the suite's, and a user's CUDA builds
         assert torch.specifier.contains(version, prereleases=False), (version, torch.specifier)
+
+
+def test_set_epoch_of_another_epoch_after_a_resume_says_so_in_one_line(
+    numbered: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    first = batchctl.open(numbered).loader(batch_size=6, mix=4)
+    first.set_epoch(1)
+    taken = [ids(b) for _, b in zip(range(3), first, strict=False)]
+    state = first.state_dict()
+    right = batchctl.open(numbered).loader(batch_size=6, mix=4)
+    right.load_state_dict(state)
+    start_epoch = right.epoch  # the recipe: the state knows its epoch
+    with caplog.at_level("WARNING", logger="batchctl"):
+        right.set_epoch(start_epoch)
+        rest = epoch_ids(right)
+    whole = batchctl.open(numbered).loader(batch_size=6, mix=4)
+    whole.set_epoch(1)
+    assert taken + rest == epoch_ids(whole)  # resumed exactly where the state stopped
+    assert [r for r in caplog.records if r.name == "batchctl"] == []
+    wrong = batchctl.open(numbered).loader(batch_size=6, mix=4)
+    wrong.load_state_dict(state)
+    with caplog.at_level("WARNING", logger="batchctl"):
+        wrong.set_epoch(0)  # a guessed start_epoch: the loaded position is discarded, and it says so
+    said = [r.getMessage() for r in caplog.records if r.name == "batchctl"]
+    assert len(said) == 1 and "set_epoch(0) discards the state just loaded (epoch 1, position 3)" in said[0]
+    assert "\n" not in said[0]

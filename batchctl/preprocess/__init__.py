@@ -17,11 +17,13 @@ from types import ModuleType
 
 from batchctl.errors import UsageError
 from batchctl.preprocess.base import (
+    DESCRIBE_ATTRIBUTE,
     FILES_ATTRIBUTE,
     Block,
     PreprocessFn,
     Preprocessor,
     Sample,
+    describes,
     native,
     stack_samples,
     takes,
@@ -33,6 +35,7 @@ __all__ = [
     "Preprocessor",
     "Sample",
     "builtins",
+    "describes",
     "native",
     "portable_name",
     "resolve",
@@ -69,7 +72,9 @@ def resolve(spec: str) -> Preprocessor:
     if not callable(fn):
         raise UsageError(f"--preprocess {spec}: {attr!r} is a {type(fn).__name__}, not a function.")
     include = tuple(getattr(fn, FILES_ATTRIBUTE, ()))
-    return Preprocessor(name=f"{where}:{attr}", fn=fn, include=include, code=_code_of(module))
+    notes = getattr(fn, DESCRIBE_ATTRIBUTE, None)  # @describes: the same whatever the options
+    describe = None if notes is None else (lambda options: notes)
+    return Preprocessor(name=f"{where}:{attr}", fn=fn, include=include, code=_code_of(module), describe=describe)
 
 
 def portable_name(name: str) -> str:

@@ -56,7 +56,13 @@ def count_clips(path: Path, sample_rate: int = 16000, clip_seconds: float = 1.0)
 
 def describe(options: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     rate = options.get("sample_rate")
-    return {"audio": {"dimension_names": ["time"], "attributes": {"sample_rate": rate, "full_scale": 1.0}}}
+    attributes = {
+        "meaning": "mono waveform, one value per sample instant; 1.0 is the source's full scale",
+        "sample_rate": rate,
+        "sample_rate_units": "Hz",
+        "full_scale": 1.0,
+    }
+    return {"audio": {"dimension_names": ["time"], "attributes": attributes}}
 
 
 PREPROCESSOR = Preprocessor(

@@ -180,3 +180,39 @@ def takes(*globs: str) -> Callable[[PreprocessFn], PreprocessFn]:
         return fn
 
     return declare
+
+
+DESCRIBE_ATTRIBUTE = "batchctl_fields"
+FieldNotes = Mapping[str, Mapping[str, Any]]  # field -> {"dimension_names": [...], "attributes": {...}}
+
+
+def describes(**fields: Mapping[str, Any]) -> Callable[[PreprocessFn], PreprocessFn]:
+    """Say what a plugin's fields are, for readers that open one array alone (tensorstore, zarrs,
+    xarray): each field's row dimension names and attributes, written into its own `zarr.json`
+    (`@describes(tokens={"dimension_names": ["token"], "attributes": {"meaning": "byte values"}})`).
+    Checked before any work: names a list of strings, attributes a JSON object."""
+    notes = check_field_notes(fields, "@describes")
+
+    def declare(fn: PreprocessFn) -> PreprocessFn:
+        setattr(fn, DESCRIBE_ATTRIBUTE, notes)
+        return fn
+
+    return declare
+
+
+def check_field_notes(fields: Mapping[str, Any], where: str) -> dict[str, dict[str, Any]]:
+    """Field notes as plain JSON (`describes`), or a UsageError naming what is wrong."""
+    checked: dict[str, dict[str, Any]] = {}
+    for name, note in fields.items():
+        if not isinstance(note, Mapping) or set(note) - {"dimension_names", "attributes"}:
+            raise UsageError(f"{where}: {name} must be a mapping of 'dimension_names' and 'attributes', got {note!r}")
+        names = note.get("dimension_names", [])
+        if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) and n for n in names):
+            raise UsageError(f"{where}: {name}'s dimension_names must be a list of names, got {names!r}")
+        attributes = note.get("attributes", {})
+        try:
+            plain = json.loads(json.dumps(dict(attributes), allow_nan=False))
+        except (TypeError, ValueError):
+            raise UsageError(f"{where}: {name}'s attributes must be a JSON object, got {attributes!r}") from None
+        checked[name] = {"dimension_names": list(names), "attributes": plain}
+    return checked

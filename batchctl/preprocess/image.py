@@ -100,6 +100,9 @@ def describe(options: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         "image": {
             "dimension_names": ["height", "width", "channel"] if hwc else ["channel", "height", "width"],
             "attributes": {
+                "meaning": "RGB pixels: red, green, blue channels, 0 (none) to 255 (full), sRGB as decoded",
+                "color_space": "RGB",
+                "value_range": [0, 255],
                 "layout": "hwc" if hwc else "chw",
                 "resize": options.get("resize"),
                 "crop": options.get("crop"),

@@ -30,7 +30,7 @@ from typing import Any, Protocol, cast
 
 import numpy as np
 
-from batchctl.errors import ResumeMismatchError, UsageError
+from batchctl.errors import ResumeMismatchError, UsageError, warn
 from batchctl.store.metadata import SOURCE
 
 STATE_FORMAT = "batchctl.loader/1"
@@ -259,6 +259,7 @@ class Loader:
             raise UsageError(f"Expected prefetch to be an int >= 0, got {prefetch!r} instead.")
         self.epoch, self.position = 0, 0
         self._order: EpochOrder | None = None
+        self._loaded: tuple[int, int] | None = None  # a state just loaded, until the loader is read
 
     def order(self, epoch: int | None = None) -> EpochOrder:
         """The order of `epoch` (default: the current one)."""
@@ -271,7 +272,13 @@ class Loader:
         if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
             raise UsageError(f"Expected epoch to be an int >= 0, got {epoch!r} instead.")
         if epoch != self.epoch:
+            if self._loaded is not None and self._loaded[1]:  # a newcomer's start_epoch = 0 after a resume
+                warn(
+                    f"set_epoch({epoch}) discards the state just loaded (epoch {self._loaded[0]}, position "
+                    f"{self._loaded[1]}): start from loader.epoch after load_state_dict to resume it"
+                )
             self.epoch, self.position = int(epoch), 0
+        self._loaded = None
 
     def batches(self, position: int | None = None, epoch: int | None = None) -> Sequence[int]:
         """This rank's output batches of `epoch` from `position` (default: the current ones)."""
@@ -284,6 +291,7 @@ class Loader:
         return len(self.batches())
 
     def __iter__(self) -> Iterator[Batch]:
+        self._loaded = None
         order, steps = self.order(), self.batches()
         for step, batch in enumerate(self.read(order, steps), 1):
             # counted before the caller has the batch, so a state saved then skips it; after the
@@ -313,6 +321,7 @@ class Loader:
         """Continue from `state`, taken from a loader of the same dataset and options on any number of ranks."""
         self.check_state(state)
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._loaded = (self.epoch, self.position)
 
     def check_state(self, state: Any) -> None:
         """Refuse, in one line naming the difference, a state this loader cannot continue."""
