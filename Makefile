@@ -37,6 +37,7 @@ demo: $(BASE)
 	$(VENV)/bin/batchctl build demo/images -o demo/images.zarr --batch-size 32 --seed 0 --force
 	$(VENV)/bin/batchctl info demo/images.zarr
 	$(VENV)/bin/batchctl preview demo/images.zarr -o demo/preview.png
+	@echo "batchctl is $(VENV)/bin/batchctl: run 'source $(VENV)/bin/activate' to put it on PATH"
 
 bench: $(STAMP)
 	# byte-compiled modules, as an installed package has them (this may run with PYTHONDONTWRITEBYTECODE)

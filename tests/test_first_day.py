@@ -250,6 +250,7 @@ def test_make_demo_installs_batchctl_alone_and_says_where_it_is(tmp_path: Path) 
     assert ".[dev]" not in demo.stdout and "torch" not in demo.stdout
     install = subprocess.run(["make", "-n", "install", f"VENV={venv}"], capture_output=True, text=True, cwd=ROOT)
     assert f"source {venv}/bin/activate" in install.stdout
+    assert f"source {venv}/bin/activate" in demo.stdout  # the demo says how to reach batchctl next
 
 
 def test_each_array_explains_itself_and_the_group_is_consolidated(tmp_path: Path) -> None:
