@@ -34,6 +34,7 @@ import sqlite3
 import stat
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -70,9 +71,11 @@ class ChunkCache:
         self.folder = Path(folder).expanduser().absolute()
         self.url, self.version = url, version
         self._lock = threading.RLock()  # the loader's threads share the connection: one transaction at a time
-        self._pid = os.getpid()
         self._db: sqlite3.Connection | None = None  # None: reads go uncached (the ledger could not be made)
+        self._reopen = False  # forked (a DataLoader worker): this process's own connection is made at first use
+        self._ledger_inode: int | None = None
         self._open_folder()
+        _OPEN.add(self)
         if limit is None:
             limit = int(shutil.disk_usage(self.folder).free * DEFAULT_SHARE)
         self.limit = parse_size(limit, "cache_limit")
@@ -170,18 +173,28 @@ class ChunkCache:
                 if _unaccounted(entry.name, known):
                     os.unlink(entry.path)
 
+    def _forked(self) -> None:
+        """In a forked child (a DataLoader worker): SQLite connections do not cross a fork. The
+        parent's is kept, never used or closed (closing it would drop this process's SQLite locks
+        on the ledger, the new connection's too); the child opens its own at first use, under a
+        lock of its own (the parent's may have been held by a thread that does not exist here)."""
+        if self._db is not None:
+            _INHERITED.append(self._db)
+        self._db, self._lock, self._reopen = None, threading.RLock(), True
+
     @contextlib.contextmanager
     def _ledger(self) -> Iterator[sqlite3.Connection]:
         """A write transaction on the ledger (one process at a time), reopened first if the
-        folder was deleted or replaced since. Raises sqlite3.Error when the cache is off."""
-        if self._pid != os.getpid():  # forked (a DataLoader worker): SQLite connections do not cross a fork
-            self._pid, self._lock = os.getpid(), threading.RLock()
-            self._open_folder()
-        try:
-            current = os.stat(self.folder / LEDGER).st_ino
-        except OSError:
-            current = None
+        folder was deleted or replaced since, or this is a forked child. Raises sqlite3.Error
+        when the cache is off."""
         with self._lock:
+            if self._reopen:
+                self._reopen = False
+                self._open_folder()
+            try:
+                current = os.stat(self.folder / LEDGER).st_ino
+            except OSError:
+                current = None
             if current != self._ledger_inode and self._db is not None:
                 self._db.close()
                 self._open_folder()
@@ -304,6 +317,18 @@ class ChunkCache:
     def close(self) -> None:
         if self._db is not None:
             self._db.close()
+
+
+_OPEN: weakref.WeakSet[ChunkCache] = weakref.WeakSet()  # this process's caches, told when it forks
+_INHERITED: list[sqlite3.Connection] = []  # a parent's connections in a forked child: kept, never closed
+
+
+def _after_fork_in_child() -> None:
+    for cache in list(_OPEN):
+        cache._forked()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _private_folder(folder: Path) -> None:
