@@ -173,6 +173,7 @@ class _Builder:
         self.progress.close()
         if finished.samples == 0:
             raise BuildFailed(f"no samples were produced: all {len(discovery.items)} files were skipped", self.report)
+        self.tally.check_mostly_skipped()
         return self._complete(discovery, fingerprint, finished)
 
     def _start(self, discovery: Discovery) -> Start:

@@ -282,9 +282,11 @@ def info(
 
 
 def _last_batch(data: dict[str, Any]) -> str:
-    """`, the last of N` where the last stored batch is short."""
+    """What the short last stored batch holds, where it is short."""
     last = data["num_samples"] - (data["num_batches"] - 1) * data["batch_size"]
-    return f" (the last holds {last})" if data["num_batches"] and last != data["batch_size"] else ""
+    if not data["num_batches"] or last == data["batch_size"]:
+        return ""
+    return f" (holding {last})" if data["num_batches"] == 1 else f" (the last holds {last})"
 
 
 def _why_ignored(data: dict[str, Any], path: str) -> str:

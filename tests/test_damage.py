@@ -95,7 +95,7 @@ def test_info_lists_skipped_files_and_counts_right(image_folder: Path, tmp_path:
     assert "1 shard," in built.stderr and "20 samples in 1 batch," in built.stderr
     result = run_cli("info", out)
     assert result.returncode == 0, result.stderr
-    assert "1 batch of 64, 1 shard (up to" in result.stdout
+    assert "1 batch of 64 (holding 20), 1 shard (up to" in result.stdout  # 20 samples: a short batch
     assert "broken.jpg: " in result.stdout
     data = json.loads(run_cli("info", out, "--json").stdout)
     assert [entry["source"] for entry in data["skipped"]] == ["broken.jpg"]

@@ -102,11 +102,9 @@ def test_many_files_failing_for_one_reason_are_counted_not_listed(tmp_path: Path
     args = ("--preprocess", "bad.py:broken", "--include", "*.txt", "--report", report)
     code, err = run_in(tmp_path, "build", src, "-o", out, *args)
     assert code == 1
-    # 3 files named, the note, the count, and the error: most files skipped, for one reason (the build stops then)
-    assert err.count("TypeError: this plugin is broken") == 6, err
-    assert "batchctl: error: most files were skipped" in err and "--max-errors" in err
-    errors = len(json.loads(report.read_text())["errors"])
-    assert errors > 6 and f"skipped {errors} files: TypeError: this plugin is broken (the first" in err
+    assert err.count("TypeError: this plugin is broken") == 5, err  # 3 files named, the note, the count
+    assert "skipped 12 files: TypeError: this plugin is broken (the first" in err
+    assert len(json.loads(report.read_text())["errors"]) == 12
 
 
 API_SCRIPT = """
@@ -186,9 +184,10 @@ def test_summaries_say_what_happened(tmp_path: Path) -> None:
     out = tmp_path / "t.zarr"
     args = ("build", src, "-o", out, "--preprocess", "tok.py:tokens", "--include", "*.txt")
     assert run_in(tmp_path, *args)[0] == 0
-    (src / "t0.txt").unlink()  # only a removal: nothing new preprocessed, no rate to report
+    (src / "t0.txt").unlink()  # only a removal: nothing new preprocessed, the rest carried into a new shard
     code, err = run_in(tmp_path, *args)
-    assert code == 0 and "0 files preprocessed" in err and "samples/s" not in err, err
+    assert code == 0 and "0 files preprocessed" in err and "5 of them carried" in err, err
+    assert "samples/s written" in err  # carrying them was this run's work
     code, err = run_in(tmp_path, "verify", out)
     assert code == 0 and f"{out}: OK (" in err
     (tmp_path / "tok.py").write_text(PLUGIN.replace("return", "raise ValueError('no tokens')\n    return"))
