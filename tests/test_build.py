@@ -136,7 +136,8 @@ def test_corrupt_files_are_skipped_named_and_counted(image_folder: Path, tmp_pat
     assert sorted(e["source"] for e in data["errors"]) == ["cat/broken.jpg", "cat/empty.png"]
     assert data["ignored"] == {"count": 1, "paths": ["cat/notes.txt"]}  # named, in the report and in `info`
     info = run_cli("info", out)
-    assert "ignored (not taken by the preprocessor, or not regular files):\n    cat/notes.txt" in info.stdout
+    header = "ignored (not taken by the preprocessor, not regular files, or outside the class folders):"
+    assert f"{header}\n    cat/notes.txt" in info.stdout
     ds = batchctl.open(out)
     assert ds.num_samples == 20
     assert set(np.concatenate([b["source"] for b in ds])) == image_files(src) - {"cat/broken.jpg", "cat/empty.png"}

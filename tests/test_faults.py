@@ -119,7 +119,7 @@ def test_kill_9_of_the_whole_group_then_resume(
     assert not out.exists()
     assert build_names(proc.pid) != []  # the resource tracker died with the group: its semaphores stay
     left = sorted(p.name for p in temp.iterdir())
-    assert len(left) == 1 and left[0].startswith(f"batchctl-mp-{proc.pid}-"), left  # the fork server's folder
+    assert len(left) == 1 and left[0].startswith(f"pymp-batchctl-{proc.pid}-"), left  # the fork server's folder
     result = run_cli("build", image_folder, "-o", out, *SLOW, "--report", report)
     assert result.returncode == 0, result.stderr
     assert json.loads(report.read_text())["resumed_shards"] >= 3

@@ -277,7 +277,7 @@ def test_the_fork_servers_folder_is_named_after_the_process_and_removed_at_exit(
         )  # fmt: skip
         assert result.returncode == 0, result.stderr
         folder = Path(result.stdout.splitlines()[0])
-        assert folder.parent == temp and folder.name.startswith("batchctl-mp-"), folder
+        assert folder.parent == temp and folder.name.startswith("pymp-batchctl-"), folder
         assert list(temp.iterdir()) == []  # removed as the process exited (no pymp-* either)
     finally:
         shutil.rmtree(temp, ignore_errors=True)

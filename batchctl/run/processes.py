@@ -70,7 +70,8 @@ TRACKER_WARNINGS = "ignore::UserWarning:multiprocessing.resource_tracker"
 SHM_DIR = Path("/dev/shm")
 # /dev/shm names batchctl creates (its semaphores), with the pid of the build's parent
 DEAD_BUILD_NAME = re.compile(r"^sem\.batchctl-(\d+)-")
-TEMP_PREFIX = "batchctl-mp-"  # multiprocessing's temporary folder of a build, with the pid of its parent
+# multiprocessing's temporary folder of a build (Python's own is pymp-*), with the pid of its parent
+TEMP_PREFIX = "pymp-batchctl-"
 DEAD_TEMP_NAME = re.compile(rf"^{TEMP_PREFIX}(\d+)-")
 SOCKET_PATH_MAX = 107  # bytes of a Unix socket's path on Linux
 
@@ -117,7 +118,7 @@ def start_forkserver() -> None:
 
 def name_temp_dir() -> None:
     """Make multiprocessing's temporary folder (the fork server's socket lives there) ourselves,
-    `batchctl-mp-PID-*` in the temporary folder, unless this process has one already: Python
+    `pymp-batchctl-PID-*` in the temporary folder, unless this process has one already: Python
     removes its own `pymp-*` at exit only, so every `kill -9` left one; this one is removed at
     exit too, and a later build sweeps a dead build's (`sweep_dead_builds`)."""
     from batchctl.run import mpinternals
