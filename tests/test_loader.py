@@ -538,3 +538,13 @@ def test_set_epoch_of_another_epoch_after_a_resume_says_so_in_one_line(
     said = [r.getMessage() for r in caplog.records if r.name == "batchctl"]
     assert len(said) == 1 and "set_epoch(0) discards the state just loaded (epoch 1, position 3)" in said[0]
     assert "\n" not in said[0]
+
+
+def test_too_many_ranks_or_too_big_a_batch_for_an_epoch_is_one_line_not_an_empty_epoch(numbered: Path) -> None:
+    ds = batchctl.open(numbered)  # 205 samples
+    for options in ({"batch_size": 6, "world_size": 64, "rank": 3}, {"batch_size": 4000}):
+        with pytest.raises(batchctl.UsageError) as refused:
+            ds.loader(**options)  # type: ignore[arg-type]
+        assert "\n" not in str(refused.value) and "drop_last=False" in str(refused.value)
+    padded = [ids(b) for b in ds.loader(batch_size=6, world_size=64, rank=40, drop_last=False)]
+    assert len(padded) == 1 and len(padded[0]) == 6  # the documented padding: every rank takes a step

@@ -253,6 +253,13 @@ class Loader:
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
             raise UsageError(f"Expected 0 <= rank < world_size, got rank {rank!r}, world_size {world_size} instead.")
         self.rank, self.world_size = rank, world_size
+        total = epoch_batches(dataset.num_samples, self.options)
+        if self.options.drop_last and total < world_size:  # some rank would get nothing, silently
+            raise UsageError(
+                f"{dataset.num_samples} samples make {total} batches of {self.options.batch_size} an epoch, fewer than "
+                f"the {world_size} ranks: lower batch_size or world_size, or pass drop_last=False (the last "
+                "round is then filled from the epoch's first batches)"
+            )
         # one group read ahead by default (at least 2 batches), so the next group is read while this one is cut
         self.prefetch = max(self.options.mix if self.options.shuffle else 1, 2) if prefetch is None else prefetch
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
