@@ -323,3 +323,30 @@ def test_an_incremental_runs_progress_and_summary_count_the_rows_it_carries(
     progress.batches_written(1, rows=40)
     line = shown.getvalue().splitlines()[-1]
     assert "3/3 files" in line and "40/100 rows written" in line and "ETA" in line, line
+
+
+def test_an_interrupted_run_over_a_damaged_kept_shard_resumes_with_the_same_plan(folder: Path, tmp_path: Path) -> None:
+    """The files of a damaged shard are preprocessed again by the run that found it, and by its
+    resume: state.json names the damaged shards, so the resumed plan does not vouch for them."""
+    out = tmp_path / "data.zarr"
+    slow = ["--preprocess", f"{PLUGINS}:slow_image", "--option", "delay=0.15", *LAYOUT]
+    assert run_cli("build", folder, "-o", out, *slow).returncode == 0  # 40 rows: 5 full shards of 8
+    shard = out / "image" / "c" / "1" / "0" / "0" / "0"
+    data = shard.read_bytes()
+    shard.unlink()
+    shard.write_bytes(data[: len(data) // 2])
+    new_image(tmp_path, folder / "dog" / "late.jpg", 77)
+    proc = start_cli("build", folder, "-o", out, *slow)
+    state = tmp_path / ".data.zarr.batchctl" / "state.json"
+    wait_for(lambda: state.exists() and "damaged_shards" in state.read_text())
+    time.sleep(0.3)  # some of the shard's files preprocessed again, not all (0.15 s each, 2 workers)
+    kill_group(proc, signal.SIGINT)
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 130, stderr
+    report = tmp_path / "r.json"
+    result = run_cli("build", folder, "-o", out, *slow, "--report", report)
+    assert result.returncode == 0, result.stderr
+    assert verify(out) == []
+    fresh = tmp_path / "fresh.zarr"
+    assert run_cli("build", folder, "-o", fresh, *slow).returncode == 0
+    assert_same_rows(rows_by_key(out), rows_by_key(fresh))  # every file once: none of the damaged shard's lost

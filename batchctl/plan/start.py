@@ -238,7 +238,8 @@ def _record_again(request: Request, interrupted: Interrupted | None, notes: list
         notes.append("the record of the last build is gone; starting over")
         return None
     record = interrupted.record
-    return _plan(request, record), record
+    seeded = interrupted.state.incremental
+    return _plan(request, record, seeded.damaged if seeded else ()), record
 
 
 def _still_there(interrupted: Interrupted) -> Journaled:
@@ -340,7 +341,8 @@ def _seed(request: Request, plan: Plan, record: Record, published: Published) ->
         lines.append(batch)
         if position == record.shard_batches - 1:
             lines.append(ShardDone(batch.shard, published.shard_sha256.get(plan.kept_shards[batch.shard], {})))
-    seeded = Seeded(record.build_id, record.sha256, request.carry_from, tail, plan.kept_samples)
+    damaged = tuple(sorted(published.damaged))
+    seeded = Seeded(record.build_id, record.sha256, request.carry_from, tail, plan.kept_samples, damaged)
     state = State(request.spec, request.source, request.classes, request.engine, seeded)
     carried = tuple(sorted({run.shard for run in plan.carry}))
     return Seed(tuple(plan.kept_shards), tail, carried, tuple(lines)), state

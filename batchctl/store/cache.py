@@ -82,10 +82,6 @@ class ChunkCache:
         if self._db is not None:
             self._drop_other_versions()
 
-    @property
-    def enabled(self) -> bool:
-        return self._db is not None
-
     # the folder and the ledger ------------------------------------------------------------------
 
     def _open_folder(self) -> None:
@@ -155,11 +151,9 @@ class ChunkCache:
                     side.unlink(missing_ok=True)
             db = self._connect()
         except (OSError, LedgerDamaged) as exc:
-            warn(
-                f"the read cache's ledger {path} is damaged ({why}) and cannot be made again ({exc}): reading uncached"
-            )
+            warn(f"the read cache's ledger {path} cannot be used ({why}) nor made again ({exc}): reading uncached")
             return None
-        warn(f"the read cache's ledger {path} was damaged ({why}): made again, empty")
+        warn(f"the read cache's ledger {path} could not be used ({why}): made again, empty")
         return db
 
     def _sweep(self) -> None:

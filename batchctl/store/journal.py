@@ -281,13 +281,15 @@ def resolve(lines: Sequence[Line], batch_size: int) -> Journaled:
 @dataclass(frozen=True)
 class Seeded:
     """An incremental build's start: the last build it builds on (its record's id and hash),
-    where the rows it carries are read, and how much it kept whole."""
+    where the rows it carries are read, how much it kept whole, and the last build's shards it
+    found damaged (their files preprocessed again: a resume plans the same)."""
 
     build_id: str
     record_sha256: str
     carry_from: str
     kept_shards: int
     kept_samples: int
+    damaged: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -305,13 +307,16 @@ class State:
         found = {"spec": self.spec, "source": self.source, "classes": self.classes, "engine": self.engine}
         if self.incremental is not None:
             seeded = self.incremental
-            found["incremental"] = {
+            incremental: dict[str, Any] = {
                 "build_id": seeded.build_id,
                 "record_sha256": seeded.record_sha256,
                 "carry_from": seeded.carry_from,
                 "kept_shards": seeded.kept_shards,
                 "kept_samples": seeded.kept_samples,
             }
+            if seeded.damaged:
+                incremental["damaged_shards"] = list(seeded.damaged)
+            found["incremental"] = incremental
         return found
 
 
@@ -332,9 +337,16 @@ def parse_state(value: Any) -> State:
             text(given.get("carry_from"), "carry_from"),
             whole(given.get("kept_shards"), "kept_shards"),
             whole(given.get("kept_samples"), "kept_samples"),
+            tuple(whole(shard, "a damaged shard") for shard in _listed(given.get("damaged_shards", []))),
         )
     spec = mapping(found.get("spec"), "spec")
     return State(spec, text(found.get("source"), "source"), check_classes(found.get("classes")), engine, seeded)
+
+
+def _listed(value: Any) -> list[Any]:
+    if not isinstance(value, list):
+        raise Untrusted(f"damaged_shards is {value!r}, not a list")
+    return value
 
 
 def whole(value: Any, what: str, low: int = 0, high: int = MAX_COUNT) -> int:
