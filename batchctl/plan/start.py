@@ -3,7 +3,7 @@ dataset, or start afresh; and with it what is kept, what is carried over and wha
 
 `plan_start` is a pure function of what this run asks (`Request`) and what was read from disk
 before (`Interrupted`: the work an interrupted build left; `Published`: the dataset at OUTPUT and
-its record), so every case is tested directly (tests/test_start.py). `batchctl.run.prepare`
+its record), so every case is tested directly (tests/test_start.py). `batchctl.prepare`
 reads those facts and sets the work folder up as the returned `Start` says.
 
 Whether OUTPUT is already up to date is decided before (a fingerprint: `batchctl.build`).

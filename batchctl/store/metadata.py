@@ -87,7 +87,7 @@ def parse_compression(name: str) -> str:
 class DatasetAttrs:
     """The group attributes under "batchctl"; `complete` is set true last of all. Nothing here
     depends on when, where or by how many workers the dataset was built: the build's own facts
-    are in `BuildInfo`, beside it."""
+    are in `BuildInfo` (`batchctl.build.json`, in the dataset's folder beside the group's `zarr.json`)."""
 
     batch_size: int
     shard_batches: int
