@@ -1,13 +1,15 @@
 """What placing rows in dispatch order costs (issue 31): the photo build with the reorder window
-against placing chunks as they arrive (`BATCHCTL_BENCH_ARRIVAL_ORDER=1`, what batchctl did
-before), run alternately, side by side; then the same with one deliberately slow file (1 s of
-sleep every 500th file, a plugin). Whole-process rate and peak RSS of the process tree.
+against placing chunks as they arrive (what batchctl did before: `benchmarks/arrival/` on
+PYTHONPATH patches the collator, no switch in batchctl), run alternately, side by side; then
+the same with one deliberately slow file (1 s of sleep every 500th file, a plugin).
+Whole-process rate and peak RSS of the process tree.
 
     python benchmarks/run.py --only order
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 from collections.abc import Callable
 from pathlib import Path
@@ -49,7 +51,7 @@ def bench_order(
         runs: dict[str, list[tuple[float, int]]] = {"dispatch order": [], "arrival order": []}
         for _ in range(ROUNDS):
             for how in runs:
-                env = {"BATCHCTL_BENCH_ARRIVAL_ORDER": "1"} if how == "arrival order" else {}
+                env = {"PYTHONPATH": _with_arrival_patch()} if how == "arrival order" else {}
                 out = root / "order.zarr"
                 elapsed, peak, _ = measure(command(src, out, *extra), env=env)
                 runs[how].append((count / elapsed, peak))
@@ -62,6 +64,11 @@ def bench_order(
         row["rate_ratio"] = round(row["dispatch order"]["samples_per_s"] / row["arrival order"]["samples_per_s"], 3)
         table.append(row)
     results["order"] = {"files": count, "rounds": ROUNDS, "rows": table, "window_mib": _window_mib()}
+
+
+def _with_arrival_patch() -> str:
+    """PYTHONPATH with `benchmarks/arrival` first (its sitecustomize patches the collator)."""
+    return os.pathsep.join(filter(None, [str(HERE / "arrival"), os.environ.get("PYTHONPATH", "")]))
 
 
 def _window_mib() -> float:

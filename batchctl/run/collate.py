@@ -62,7 +62,6 @@ BATCHES_IN_FLIGHT = 6  # batch buffers being encoded or written, at most (memory
 # Set only by benchmarks/order.py, to measure what placing rows in dispatch order costs against
 # placing them as they arrive (what batchctl did before 2026-12-06): the dataset then depends on
 # which worker was quicker.
-ARRIVAL_ORDER = os.environ.get("BATCHCTL_BENCH_ARRIVAL_ORDER") == "1"
 WRITE_SLICE = 2**20  # a big chunk is written in slices of this many bytes, by all writer threads at once
 
 
@@ -435,10 +434,7 @@ class Placement:
 
     def take(self, message: Sent) -> None:
         tasks = message.tasks
-        if ARRIVAL_ORDER:  # benchmarks/order.py's comparison: rows in the order chunks arrive
-            self._add(self._outputs(message.body))
-            self._release(message.body)
-        elif self.reorder.stale(tasks):  # a second copy of a chunk: its worker died after sending
+        if self.reorder.stale(tasks):  # a second copy of a chunk: its worker died after sending
             self._release(message.body)
         elif self.reorder.due(tasks):
             self._add(self._outputs(message.body))
