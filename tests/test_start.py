@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import pytest
 
 from batchctl.errors import ResumeMismatchError
-from batchctl.plan.start import Interrupted, Published, Request, Start, plan_start
+from batchctl.plan.start import Interrupted, Published, Request, plan_start
 from batchctl.records import WorkItem
 from batchctl.store.journal import (
     BatchLine,
@@ -294,8 +294,11 @@ def test_more_kept_samples_than_the_journal_holds_is_untrusted() -> None:
         plan_start(request(files), facts, not_read)
 
 
-def test_start_is_one_frozen_value() -> None:
-    start = plan_start(request(items(2)), None, nothing)
-    assert isinstance(start, Start)
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        start.how = "resume"  # type: ignore[misc]
+def test_the_plan_is_a_pure_function_of_its_facts() -> None:
+    """The same request and facts give equal starts, however often planned (the builder plans
+    twice when kept shards are damaged), and the published facts are read only when needed."""
+    files = items(4)
+    facts = interrupted(journal_of(batches(files)[:1]))
+    first, again = plan_start(request(files), facts, not_read), plan_start(request(files), facts, not_read)
+    assert first == again and first.how == "resume"
+    assert plan_start(request(items(2)), None, nothing) == plan_start(request(items(2)), None, nothing)
