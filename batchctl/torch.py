@@ -13,7 +13,6 @@ import os
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from multiprocessing.context import get_spawning_popen
 from multiprocessing.sharedctypes import RawValue
 from typing import Any
 
@@ -25,6 +24,7 @@ from torch.utils.data import Dataset as TorchDataset, IterableDataset, get_worke
 from batchctl.errors import ResumeMismatchError
 from batchctl.read.loader import Loader
 from batchctl.read.reader import Batch, Dataset
+from batchctl.run.mpinternals import pickled_for_a_child
 
 # torchdata 0.11's StatefulDataLoader calls a function torch 2.13 deprecates, on every iterator it
 # makes: a warning the user can do nothing about, in every run of a recipe (one message, no other)
@@ -134,7 +134,7 @@ class IterableBatches(IterableDataset[dict[str, Any]]):
 
     def __getstate__(self) -> dict[str, Any]:
         state = {**self.__dict__, "_loader_made": None}
-        if get_spawning_popen() is None:  # a copy, not a worker being started: its own epoch
+        if not pickled_for_a_child():  # a copy, not a worker being started: its own epoch
             state["_epoch"] = RawValue("q", self.epoch)
         return state
 

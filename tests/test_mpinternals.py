@@ -281,3 +281,30 @@ def test_the_fork_servers_folder_is_named_after_the_process_and_removed_at_exit(
         assert list(temp.iterdir()) == []  # removed as the process exited (no pymp-* either)
     finally:
         shutil.rmtree(temp, ignore_errors=True)
+
+
+def _pickled_flag(_: object) -> None:
+    pass
+
+
+class _Probe:
+    """Records, as it is pickled, whether it is going to a child that is starting."""
+
+    seen: list[bool] = []
+
+    def __getstate__(self) -> dict[str, object]:
+        from batchctl.run.mpinternals import pickled_for_a_child
+
+        _Probe.seen.append(pickled_for_a_child())
+        return {}
+
+
+def test_an_object_knows_whether_it_is_pickled_for_a_starting_child() -> None:
+    import pickle
+
+    _Probe.seen.clear()
+    pickle.dumps(_Probe())  # a copy
+    child = mp_context().Process(target=_pickled_flag, args=(_Probe(),))  # sent to a child as it starts
+    child.start()
+    child.join(30)
+    assert child.exitcode == 0 and _Probe.seen == [False, True]

@@ -32,6 +32,9 @@ Why each is needed:
   (The one other private CPython use is `atexit._run_exitfuncs`, in `batchctl.__main__`: the
   CLI runs the exit functions, then `os._exit`s; importing this module there would cost every
   command its `multiprocessing.pool` import.)
+- `context.get_spawning_popen` (undocumented): whether an object is being pickled to start a
+  child (a DataLoader worker, spawned) or copied for another reason (`batchctl.torch`: a worker
+  shares the stream's epoch, a copy gets its own).
 - `current_process()._inheriting`: set while a new child re-runs the parent's main script
   (multiprocessing does, to find what the script defines); a script that calls `build()` outside
   `if __name__ == "__main__":` would start a build in every child (`reimporting_main`).
@@ -44,7 +47,7 @@ import os
 import sys
 import threading
 from collections.abc import Iterator
-from multiprocessing import forkserver, process, reduction, resource_tracker
+from multiprocessing import context, forkserver, process, reduction, resource_tracker
 from multiprocessing.pool import TERMINATE, Pool
 from multiprocessing.queues import SimpleQueue
 from typing import Any
@@ -144,6 +147,11 @@ def semaphores_named_after(pid: int) -> Iterator[None]:
             config.pop("semprefix", None)
         else:
             config["semprefix"] = previous
+
+
+def pickled_for_a_child() -> bool:
+    """Whether the object being pickled now is sent to a child process as it starts."""
+    return context.get_spawning_popen() is not None
 
 
 def temp_dir() -> str | None:
