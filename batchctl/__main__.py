@@ -8,7 +8,7 @@ import signal
 import sys
 import threading
 
-from batchctl.errors import Signalled, quiet_unraisable_signals, raise_signalled, signalled_in
+from batchctl.run.signals import Signalled, quiet_unraisable_signals, raise_signalled, signalled_in
 
 
 def builds_locally(args: list[str]) -> bool:

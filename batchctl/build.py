@@ -15,16 +15,7 @@ import time
 from pathlib import Path
 from typing import Any, Unpack
 
-from batchctl.errors import (
-    BuildFailed,
-    BuildInterrupted,
-    PipelineError,
-    Signalled,
-    UsageError,
-    check_signalled,
-    signal_handled,
-    signalled_in,
-)
+from batchctl.errors import BuildFailed, BuildInterrupted, PipelineError, UsageError
 from batchctl.plan.discover import Discovery, check_source, discover, hash_files
 from batchctl.plan.options import BuildKwargs, BuildOptions, build_options, dataset_spec, default_workers
 from batchctl.plan.start import Interrupted, Published, Request, Start, plan_start, untrusted_work
@@ -46,6 +37,7 @@ from batchctl.run.processes import (
     start_forkserver,
     sweep_dead_builds,
 )
+from batchctl.run.signals import Signalled, check_signalled, signal_handled, signalled_in
 from batchctl.run.staging import BuildPaths
 from batchctl.run.tally import Tally
 from batchctl.run.writeplan import Carry, CollatorConfig

@@ -17,18 +17,10 @@ from typing import Annotated, Any, NoReturn, Optional
 import typer
 from typer.core import TyperCommand
 
-from batchctl.errors import (
-    BatchctlError,
-    BuildFailed,
-    BuildInterrupted,
-    Signalled,
-    UsageError,
-    check_signalled,
-    signal_handled,
-    signalled_in,
-)
+from batchctl.errors import BatchctlError, BuildFailed, BuildInterrupted, UsageError
 from batchctl.progress import ConsoleProgress
 from batchctl.report import BuildReport, count_of, size_text
+from batchctl.run.signals import Signalled, check_signalled, signal_handled, signalled_in
 from batchctl.store.storage import parse_storage_options
 from batchctl.version import __version__
 

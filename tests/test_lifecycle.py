@@ -78,7 +78,7 @@ def test_a_signal_raised_in_a_finalizer_prints_no_traceback() -> None:
     errors still print), and the next checkpoint acts on it."""
     code = (
         "import gc, sys\n"
-        "from batchctl.errors import Signalled, check_signalled, quiet_unraisable_signals, raise_signalled\n"
+        "from batchctl.run.signals import Signalled, check_signalled, quiet_unraisable_signals, raise_signalled\n"
         "quiet_unraisable_signals()\n"
         "class Stopped:\n"
         "    def __del__(self): raise_signalled(15)\n"

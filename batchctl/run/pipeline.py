@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from batchctl.errors import PipelineError, check_signalled
+from batchctl.errors import PipelineError
 from batchctl.preprocess import Preprocessor
 from batchctl.progress import Progress
 from batchctl.records import (
@@ -49,6 +49,7 @@ from batchctl.run.processes import (
 )
 from batchctl.run.reorder import WINDOW_BYTES
 from batchctl.run.ring import SampleRing
+from batchctl.run.signals import check_signalled
 from batchctl.run.staging import BuildPaths
 from batchctl.run.tally import Tally
 from batchctl.run.workers import BoundedFeed, WorkerSlots, chunked, run_chunk, start_pool

@@ -38,7 +38,8 @@ from multiprocessing.context import ForkServerContext
 from pathlib import Path
 from typing import Any
 
-from batchctl.errors import Signalled, UsageError, note_signal, quiet_unraisable_signals, raise_signalled
+from batchctl.errors import UsageError
+from batchctl.run.signals import Signalled, note_signal, quiet_unraisable_signals, raise_signalled
 
 # batchctl.run.forkserver_init first: it sets up the fork server before the heavy imports.
 PRELOAD = [
