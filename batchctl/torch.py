@@ -23,7 +23,7 @@ from torch.utils.data import Dataset as TorchDataset, IterableDataset, get_worke
 
 from batchctl.errors import ResumeMismatchError
 from batchctl.read.loader import Loader
-from batchctl.read.reader import Batch, Dataset
+from batchctl.read.reader import Batch, Dataset, FieldsOf
 from batchctl.run.mpinternals import pickled_for_a_child
 
 # torchdata 0.11's StatefulDataLoader calls a function torch 2.13 deprecates, on every iterator it
@@ -67,14 +67,16 @@ class BatchDataset(TorchDataset[dict[str, Any]]):
         storage_options: Mapping[str, object] | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
         cache_limit: int | str | None = None,
+        fields: Sequence[str] | None = None,
     ) -> None:
         self._lazy = _Lazy(path, storage_options=storage_options, cache_dir=cache_dir, cache_limit=cache_limit)
+        self.fields = None if fields is None else FieldsOf(self._lazy.dataset, fields).names  # checked here
 
     def __len__(self) -> int:
         return self._lazy.num_batches
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        return to_torch(self._lazy.dataset[index])
+        return to_torch(self._lazy.dataset.read_batch(index, fields=self.fields))
 
 
 @dataclass
@@ -114,13 +116,14 @@ class IterableBatches(IterableDataset[dict[str, Any]]):
         storage_options: Mapping[str, object] | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
         cache_limit: int | str | None = None,
+        fields: Sequence[str] | None = None,
     ) -> None:
         self._lazy = _Lazy(path, storage_options=storage_options, cache_dir=cache_dir, cache_limit=cache_limit)
         distributed = dist.is_available() and dist.is_initialized()
         self.rank = rank if rank is not None else dist.get_rank() if distributed else 0
         self.world_size = world_size if world_size is not None else dist.get_world_size() if distributed else 1
         self._options: dict[str, Any] = {"batch_size": batch_size, "shuffle": shuffle, "seed": seed, "mix": mix}
-        self._options.update(drop_last=drop_last, prefetch=prefetch)
+        self._options.update(drop_last=drop_last, prefetch=prefetch, fields=fields)
         self._loader_made: Loader | None = None
         self._loader()  # options checked here, not first in a DataLoader worker
         self._epoch: Any = RawValue("q", 0)  # shared with DataLoader workers (inherited, or passed as they start)

@@ -548,3 +548,32 @@ def test_too_many_ranks_or_too_big_a_batch_for_an_epoch_is_one_line_not_an_empty
         assert "\n" not in str(refused.value) and "drop_last=False" in str(refused.value)
     padded = [ids(b) for b in ds.loader(batch_size=6, world_size=64, rank=40, drop_last=False)]
     assert len(padded) == 1 and len(padded[0]) == 6  # the documented padding: every rank takes a step
+
+
+def _bytes_read() -> int:
+    """What this process (every thread) has read so far, as the kernel counts it."""
+    return int(next(line for line in Path("/proc/self/io").read_text().splitlines() if line.startswith("rchar"))[7:])
+
+
+@pytest.mark.parametrize("mix", [1, 4])
+def test_fields_reads_only_those_arrays_in_the_same_order(numbered: Path, mix: int) -> None:
+    ds = batchctl.open(numbered)
+    before = _bytes_read()
+    full = list(ds.loader(batch_size=6, mix=mix, seed=2))
+    everything = _bytes_read() - before
+    before = _bytes_read()
+    labels = list(batchctl.open(numbered).loader(batch_size=6, mix=mix, seed=2, fields=["label"]))
+    only_labels = _bytes_read() - before
+    assert [sorted(b) for b in labels] == [["label"]] * len(full)
+    assert [b["label"].tolist() for b in labels] == [b["label"].tolist() for b in full]  # the same order
+    assert only_labels < 0.02 * everything, (only_labels, everything)  # rows of 4 KiB not read
+    with pytest.raises(batchctl.UsageError, match="fields"):
+        ds.loader(fields=["labels"])
+    pytest.importorskip("torch")
+    from batchctl.torch import BatchDataset, IterableBatches
+
+    stream = IterableBatches(numbered, batch_size=6, mix=mix, seed=2, fields=["label", "source"])
+    got = list(stream)
+    assert [sorted(b) for b in got] == [["label", "source"]] * len(full)
+    assert [b["source"] for b in got] == [[str(s) for s in b["source"]] for b in full]
+    assert sorted(BatchDataset(numbered, fields=["array"])[0]) == ["array"]

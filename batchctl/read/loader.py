@@ -476,7 +476,7 @@ class _GroupReads:
         for name in self.numeric.keys() - into.keys():
             for r in taken.tolist():
                 cast(np.ndarray, outputs[name][r])[place[r]] = whole[name][r]
-        return {SOURCE: whole[SOURCE]}
+        return {SOURCE: whole[SOURCE]} if SOURCE in whole else {}
 
     def _scratch(self, name: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
         """This thread's buffer for the rows of a field no output batch here takes (reused)."""
@@ -487,9 +487,11 @@ class _GroupReads:
 
     @staticmethod
     def _sources(group: _Group) -> np.ndarray:
-        """The group's `source` rows in visit order (joined once its reads are done)."""
+        """The group's `source` rows in visit order (joined once its reads are done); with
+        `source` not among the fields read, an empty array once the reads are done."""
         if group.sources is None:
-            group.sources = np.concatenate([read.result()[SOURCE] for read in group.reads])
+            done = [read.result() for read in group.reads]
+            group.sources = np.concatenate([got[SOURCE] for got in done]) if SOURCE in done[0] else np.empty(0)
         return group.sources
 
     def cut(self, batch: int, groups: dict[int, _Group]) -> Batch:
@@ -501,9 +503,11 @@ class _GroupReads:
             }
             return gather(stored, self.order.rows(batch), self.order.stored_batch)
         parts = self.order.parts(batch)
-        sources = [self._sources(groups[group])[self.order.in_group(rows)] for group, rows in parts]  # reads done
+        sources = [self._sources(groups[group]) for group, _ in parts]  # every read of the batch's groups done
         out = self.outputs.pop(batch)
-        out[SOURCE] = np.concatenate(sources) if len(sources) > 1 else sources[0]
+        if SOURCE in self.dataset.fields:
+            placed = [found[self.order.in_group(rows)] for found, (_, rows) in zip(sources, parts, strict=True)]
+            out[SOURCE] = np.concatenate(placed) if len(placed) > 1 else placed[0]
         return {name: out[name] for name in self.dataset.fields}
 
 

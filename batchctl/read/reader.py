@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -224,12 +224,16 @@ class Dataset:
         world_size: int = 1,
         drop_last: bool = True,
         prefetch: int | None = None,
+        fields: Sequence[str] | None = None,
     ) -> Loader:
         """Batches for training: any `batch_size` (default: the stored one), fresh batches every
         epoch (`mix` stored batches' rows permuted together), one order for any number of ranks,
         and a resume state (`state_dict`) that continues exactly, on this or another world size.
-        `prefetch` stored batches are read ahead (default: one group of `mix`). See `Loader`."""
-        loader = Loader(self, batch_size, shuffle, seed, mix, rank, world_size, drop_last, prefetch)
+        `prefetch` stored batches are read ahead (default: one group of `mix`). `fields`: only
+        these arrays are read (nothing of the others); the order and resume state are the same
+        whatever fields are read. See `Loader`."""
+        source = self if fields is None else FieldsOf(self, fields)
+        loader = Loader(source, batch_size, shuffle, seed, mix, rank, world_size, drop_last, prefetch)
         self._check_cache_holds(loader.prefetch)
         return loader
 
@@ -267,6 +271,36 @@ class Dataset:
 
     def __repr__(self) -> str:
         return f"Dataset({self.path!r}, samples={self.num_samples}, batches={self.num_batches})"
+
+
+class FieldsOf:
+    """A dataset read for some of its fields only (`Dataset.loader(fields=...)`): what a loader
+    reads, and nothing of the other arrays is read."""
+
+    def __init__(self, dataset: Dataset, fields: Sequence[str]) -> None:
+        names = list(fields)
+        unknown = [name for name in names if name not in dataset.arrays]
+        if isinstance(fields, str) or not names or unknown:
+            raise UsageError(
+                f"Expected fields to be a list of some of {', '.join(dataset.arrays)}, got {fields!r} instead."
+            )
+        self.dataset, self.names = dataset, names
+        self.path, self.build_id, self.remote = dataset.path, dataset.build_id, dataset.remote
+        self.batch_size, self.num_samples = dataset.batch_size, dataset.num_samples
+
+    @property
+    def fields(self) -> dict[str, tuple[tuple[int, ...], np.dtype[Any]]]:
+        every = self.dataset.fields
+        return {name: every[name] for name in self.names}
+
+    def __getitem__(self, index: int) -> Batch:
+        return self.dataset.read_batch(index, fields=self.names)
+
+    def read_batch(
+        self, index: int, into: Mapping[str, list[np.ndarray]] | None = None, fields: list[str] | None = None
+    ) -> Batch:
+        chosen = [name for name in self.names if name not in (into or {})] if fields is None else fields
+        return self.dataset.read_batch(index, into, chosen)
 
 
 def _check_reachable(url: str, storage_options: Mapping[str, object]) -> None:
