@@ -23,7 +23,8 @@ from torch.utils.data import Dataset as TorchDataset, IterableDataset, get_worke
 
 from batchctl.errors import ResumeMismatchError
 from batchctl.read.loader import Loader
-from batchctl.read.reader import Batch, Dataset, FieldsOf
+from batchctl.read.reader import Batch, Dataset
+from batchctl.read.views import FieldsOf
 from batchctl.run.mpinternals import pickled_for_a_child
 
 # torchdata 0.11's StatefulDataLoader calls a function torch 2.13 deprecates, on every iterator it

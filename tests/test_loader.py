@@ -561,8 +561,9 @@ def test_fields_reads_only_those_arrays_in_the_same_order(numbered: Path, mix: i
     before = _bytes_read()
     full = list(ds.loader(batch_size=6, mix=mix, seed=2))
     everything = _bytes_read() - before
+    opened = batchctl.open(numbered)  # (its documents read here, not counted)
     before = _bytes_read()
-    labels = list(batchctl.open(numbered).loader(batch_size=6, mix=mix, seed=2, fields=["label"]))
+    labels = list(opened.loader(batch_size=6, mix=mix, seed=2, fields=["label"]))
     only_labels = _bytes_read() - before
     assert [sorted(b) for b in labels] == [["label"]] * len(full)
     assert [b["label"].tolist() for b in labels] == [b["label"].tolist() for b in full]  # the same order
@@ -577,3 +578,66 @@ def test_fields_reads_only_those_arrays_in_the_same_order(numbered: Path, mix: i
     assert [sorted(b) for b in got] == [["label", "source"]] * len(full)
     assert [b["source"] for b in got] == [[str(s) for s in b["source"]] for b in full]
     assert sorted(BatchDataset(numbered, fields=["array"])[0]) == ["array"]
+
+
+# --- subsets and splits ---------------------------------------------------------------------------
+
+
+def test_a_subset_gives_its_rows_once_an_epoch_reads_only_its_batches_and_resumes(numbered: Path) -> None:
+    ds = batchctl.open(numbered)  # built --sorted: each class's rows lie together
+    by_class = ds.subset(labels=["c1", 3])
+    want = {n for n in range(CLASSES * PER_CLASS) if n % CLASSES in (1, 3)}
+    for epoch in range(2):
+        loader = by_class.loader(batch_size=6, mix=4, drop_last=False)
+        loader.set_epoch(epoch)
+        got = [n for b in loader for n in ids(b)]
+        assert sorted(got) == sorted(want)  # each row once
+    stored = [str(path) for b in ds for path in b["source"]]  # every row's file, in row order
+    glob = ds.subset(source="c2/*", rows=np.arange(CLASSES * PER_CLASS) < 100)  # and among the first 100 rows
+    want_glob = {int(path.rsplit("s", 1)[1].split(".")[0]) for path in stored[:100] if path.startswith("c2/")}
+    assert want_glob and {n for b in glob.loader(batch_size=5, drop_last=False) for n in ids(b)} == want_glob
+    before = _bytes_read()
+    list(ds.loader(batch_size=6, mix=4))
+    everything = _bytes_read() - before
+    one = ds.subset(labels=["c1"])  # 41 rows of 205: 6 or 7 of the 26 stored batches
+    before = _bytes_read()
+    list(one.loader(batch_size=6, mix=4))
+    assert _bytes_read() - before < 0.35 * everything
+    loader = by_class.loader(batch_size=6, mix=4)
+    head = [ids(b) for _, b in zip(range(4), loader, strict=False)]
+    state = loader.state_dict()
+    again = by_class.loader(batch_size=6, mix=4)
+    again.load_state_dict(state)
+    assert head + [ids(b) for b in again] == epoch_ids(by_class.loader(batch_size=6, mix=4))
+    with pytest.raises(batchctl.ResumeMismatchError, match="another version"):
+        one.loader(batch_size=6, mix=4).load_state_dict(state)  # another subset's state
+    with pytest.raises(batchctl.UsageError, match="labels among"):
+        ds.subset(labels=["dog"])
+
+
+def test_splits_are_stable_when_the_folder_grows_shrinks_and_is_rebuilt(tmp_path: Path) -> None:
+    src, out = tmp_path / "src", tmp_path / "d.zarr"
+    make_numbered(src, 0, 300, 3)
+    args = ("--preprocess", "npy", "--batch-size", STORED)
+    assert run_cli("build", src, "-o", out, *args).returncode == 0
+
+    def splits() -> dict[str, set[str]]:
+        ds = batchctl.open(out)
+        parts = ds.split({"train": 0.9, "val": 0.1}, seed=4)
+        found = {name: {str(s) for b in part.loader(drop_last=False, fields=["source"]) for s in b["source"]}
+                 for name, part in parts.items()}  # fmt: skip
+        assert sum(len(v) for v in found.values()) == ds.num_samples and not found["train"] & found["val"]
+        return found
+
+    first = splits()
+    assert 0.05 * 300 <= len(first["val"]) <= 0.15 * 300
+    removed = sorted(src.rglob("*.npy"))[::20]  # 5% fewer
+    for path in removed:
+        path.unlink()
+    make_numbered(src, 300, 30, 3)  # 10% more
+    result = run_cli("build", src, "-o", out, *args)
+    assert result.returncode == 0 and "30 added, 0 changed, 15 removed" in result.stderr, result.stderr  # incremental
+    second = splits()
+    for name in first:
+        survivors = first[name] - {p.relative_to(src).as_posix() for p in removed}
+        assert survivors <= second[name]  # every surviving file kept its split

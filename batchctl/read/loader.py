@@ -19,6 +19,7 @@ pads), so every rank still takes as many steps.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import threading
@@ -44,8 +45,13 @@ class BatchSource(Protocol):
     path: str
     build_id: str
     batch_size: int
-    num_samples: int
+    num_samples: int  # the rows read: all of the dataset's, or a subset's
     remote: bool  # on an object store: reads wait on the network, not on a core
+
+    @property
+    def selected(self) -> np.ndarray | None: ...  # a subset's rows (sorted global indices), or None: all
+
+    stored_rows: int  # the dataset's rows, however many are read
 
     @property
     def fields(self) -> dict[str, tuple[tuple[int, ...], np.dtype[Any]]]: ...
@@ -85,27 +91,46 @@ class EpochOrder:
     stored batch, and a group's row permutation is made when a batch of that group is asked for.
     """
 
-    def __init__(self, num_samples: int, stored_batch: int, options: OrderOptions, epoch: int) -> None:
+    def __init__(
+        self,
+        num_samples: int,
+        stored_batch: int,
+        options: OrderOptions,
+        epoch: int,
+        selected: np.ndarray | None = None,
+        stored_rows: int | None = None,
+    ) -> None:
+        """`selected`: a subset's rows (sorted global indices) of a dataset of `stored_rows` rows;
+        only the stored batches holding them are visited, and only they are ordered."""
         self.num_samples, self.stored_batch, self.options = num_samples, stored_batch, options
-        stored, short = divmod(num_samples, stored_batch)
-        if options.shuffle:
-            self.visit, self.group = _visit_order(stored, options.mix, np.random.default_rng([options.seed, epoch]))
+        self.selected, self.stored_rows = selected, num_samples if stored_rows is None else stored_rows
+        rng = np.random.default_rng([options.seed, epoch])
+        self.visit: np.ndarray  # the stored batches read, in visit order, `group` at a time
+        if selected is None:
+            stored, short = divmod(num_samples, stored_batch)
+            self.visit, self.group = (
+                _visit_order(stored, options.mix, rng) if options.shuffle else (np.arange(stored), 1)
+            )
+            # a short last stored batch is visited last: the others' rows then line up with output
+            # batches of the stored size (at mix=1, the stored batches themselves), and it ends its group
+            if short:
+                self.visit = np.append(self.visit, stored)
+                stored += 1
+            lengths = np.full(stored, stored_batch, dtype=np.int64)
+            if stored:
+                lengths[-1] = num_samples - (stored - 1) * stored_batch
         else:
-            self.visit, self.group = np.arange(stored), 1
-        # a short last stored batch is visited last: the others' rows then line up with output
-        # batches of the stored size (at mix=1, the stored batches themselves), and it ends its group
-        if short:
-            self.visit = np.append(self.visit, stored)
-            stored += 1
+            stored = -(-self.stored_rows // stored_batch)
+            lengths = np.bincount(selected // stored_batch, minlength=stored).astype(np.int64)
+            present = np.flatnonzero(lengths)  # only the stored batches holding its rows are read
+            found, self.group = _visit_order(len(present), options.mix, rng) if options.shuffle else (present, 1)
+            self.visit = present[found] if options.shuffle else present
         self.permute = options.shuffle and options.mix > 1
         self.epoch = epoch
-        self.slot = np.empty(stored, dtype=np.int64)  # each stored batch's place in its group
-        self.slot[self.visit] = np.arange(stored) % self.group
-        lengths = np.full(stored, stored_batch, dtype=np.int64)
-        if stored:
-            lengths[-1] = num_samples - (stored - 1) * stored_batch
+        self.slot = np.zeros(stored, dtype=np.int64)  # each visited stored batch's place in its group
+        self.slot[self.visit] = np.arange(len(self.visit)) % self.group
         visited = lengths[self.visit]
-        groups = math.ceil(stored / self.group)
+        groups = math.ceil(len(self.visit) / self.group)
         sizes = np.add.reduceat(visited, np.arange(groups) * self.group) if groups else np.zeros(0, np.int64)
         self.group_start = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         self.batches = epoch_batches(num_samples, options)
@@ -118,10 +143,15 @@ class EpochOrder:
         """The group's global row indices in epoch order (a few recent groups are kept)."""
         rows = self._rows.get(group)
         if rows is None:
-            size = self.stored_batch
-            rows = np.concatenate(
-                [np.arange(s * size, min((s + 1) * size, self.num_samples)) for s in self.stored_of_group(group)]
-            )
+            size, selected = self.stored_batch, self.selected
+            if selected is None:
+                ranges = [
+                    np.arange(s * size, min((s + 1) * size, self.num_samples)) for s in self.stored_of_group(group)
+                ]
+            else:
+                bounds = [np.searchsorted(selected, [s * size, (s + 1) * size]) for s in self.stored_of_group(group)]
+                ranges = [selected[lo:hi] for lo, hi in bounds]
+            rows = np.concatenate(ranges)
             if self.permute:
                 rows = np.random.default_rng([self.options.seed, self.epoch, 1, group]).permutation(rows)
             self._rows[group] = rows
@@ -272,7 +302,10 @@ class Loader:
         """The order of `epoch` (default: the current one)."""
         epoch = self.epoch if epoch is None else epoch
         if self._order is None or self._order.epoch != epoch:
-            self._order = EpochOrder(self.dataset.num_samples, self.dataset.batch_size, self.options, epoch)
+            dataset = self.dataset
+            self._order = EpochOrder(
+                dataset.num_samples, dataset.batch_size, self.options, epoch, dataset.selected, dataset.stored_rows
+            )
         return self._order
 
     def set_epoch(self, epoch: int) -> None:
@@ -359,7 +392,11 @@ class Loader:
             )
 
     def dataset_version(self) -> dict[str, Any]:
-        return {"build_id": self.dataset.build_id, "num_samples": self.dataset.num_samples}
+        """The dataset's version, and which of its rows are read (a state of another subset is refused)."""
+        version: dict[str, Any] = {"build_id": self.dataset.build_id, "num_samples": self.dataset.num_samples}
+        if self.dataset.selected is not None:
+            version["subset"] = hashlib.sha256(self.dataset.selected.astype("<i8").tobytes()).hexdigest()[:16]
+        return version
 
 
 def _read(dataset: BatchSource, order: EpochOrder, batches: Iterable[int], prefetch: int) -> Iterator[Batch]:

@@ -16,6 +16,7 @@ import numpy as np
 
 from batchctl.errors import BatchctlError, FormatError, UsageError
 from batchctl.read.loader import Batch, Loader
+from batchctl.read.views import FieldsOf, Subset, select_rows, split_rows
 from batchctl.report import size_text
 from batchctl.store import chunkread, codec, format as fmt, metadata, storage, zarrmeta
 from batchctl.store.cache import ChunkCache
@@ -59,6 +60,8 @@ class Dataset:
         self.build_id = self.attrs.build_id  # the version: a loader's resume state names it
         self.num_samples = self.attrs.num_samples if self.attrs.complete else self._rows_present()
         self.num_batches = metadata.num_batches(self.num_samples, self.batch_size)
+        self.selected: np.ndarray | None = None  # every row (a `Subset` names some)
+        self.stored_rows = self.num_samples
         self.classes: list[str] | None = self.attrs.classes
         # batches are read straight from the shard files: a local one's by pread, an object's by
         # one ranged read each; a layout batchctl does not write is read through zarr (which reads
@@ -234,10 +237,28 @@ class Dataset:
         whatever fields are read. See `Loader`."""
         source = self if fields is None else FieldsOf(self, fields)
         loader = Loader(source, batch_size, shuffle, seed, mix, rank, world_size, drop_last, prefetch)
-        self._check_cache_holds(loader.prefetch)
+        self.check_cache_holds(loader.prefetch)
         return loader
 
-    def _check_cache_holds(self, prefetch: int) -> None:
+    def subset(
+        self,
+        labels: Sequence[int | str] | None = None,
+        source: str | Sequence[str] | None = None,
+        rows: Any = None,
+    ) -> Subset:
+        """Some rows of the dataset, without rewriting anything: those of the classes `labels`
+        (names or numbers), and/or whose `source` matches a glob (or any of several), and/or
+        `rows` (a boolean mask over every row, or row indices). A view `loader`,
+        `IterableBatches` and `split` take; its loader reads only the stored batches its rows are in."""
+        return Subset(self, select_rows(self, labels, source, rows))
+
+    def split(self, fractions: Mapping[str, float], seed: int = 0) -> dict[str, Subset]:
+        """Stable splits by name (`{"train": 0.9, "val": 0.1}`): each file goes to a split by a hash
+        of its `source` path and `seed`, so it stays in its split when the folder grows, files are
+        removed, or the dataset is rebuilt or updated. Fractions hold within sampling noise."""
+        return {name: Subset(self, found) for name, found in split_rows(self, fractions, seed).items()}
+
+    def check_cache_holds(self, prefetch: int) -> None:
         """Refuse a cache too small for the stored batches a loader reads ahead: each would push
         out the one before it is used, and the cache would only cost."""
         cache = self.cache
@@ -271,36 +292,6 @@ class Dataset:
 
     def __repr__(self) -> str:
         return f"Dataset({self.path!r}, samples={self.num_samples}, batches={self.num_batches})"
-
-
-class FieldsOf:
-    """A dataset read for some of its fields only (`Dataset.loader(fields=...)`): what a loader
-    reads, and nothing of the other arrays is read."""
-
-    def __init__(self, dataset: Dataset, fields: Sequence[str]) -> None:
-        names = list(fields)
-        unknown = [name for name in names if name not in dataset.arrays]
-        if isinstance(fields, str) or not names or unknown:
-            raise UsageError(
-                f"Expected fields to be a list of some of {', '.join(dataset.arrays)}, got {fields!r} instead."
-            )
-        self.dataset, self.names = dataset, names
-        self.path, self.build_id, self.remote = dataset.path, dataset.build_id, dataset.remote
-        self.batch_size, self.num_samples = dataset.batch_size, dataset.num_samples
-
-    @property
-    def fields(self) -> dict[str, tuple[tuple[int, ...], np.dtype[Any]]]:
-        every = self.dataset.fields
-        return {name: every[name] for name in self.names}
-
-    def __getitem__(self, index: int) -> Batch:
-        return self.dataset.read_batch(index, fields=self.names)
-
-    def read_batch(
-        self, index: int, into: Mapping[str, list[np.ndarray]] | None = None, fields: list[str] | None = None
-    ) -> Batch:
-        chosen = [name for name in self.names if name not in (into or {})] if fields is None else fields
-        return self.dataset.read_batch(index, into, chosen)
 
 
 def _check_reachable(url: str, storage_options: Mapping[str, object]) -> None:
