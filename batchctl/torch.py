@@ -24,7 +24,7 @@ from torch.utils.data import Dataset as TorchDataset, IterableDataset, get_worke
 from batchctl.errors import ResumeMismatchError
 from batchctl.read.loader import Loader
 from batchctl.read.reader import Batch, Dataset
-from batchctl.read.views import FieldsOf
+from batchctl.read.views import FieldsOf, Subset
 from batchctl.run.mpinternals import pickled_for_a_child
 
 # torchdata 0.11's StatefulDataLoader calls a function torch 2.13 deprecates, on every iterator it
@@ -101,11 +101,13 @@ class IterableBatches(IterableDataset[dict[str, Any]]):
     picks one; the epoch lives in a few bytes of memory shared with the DataLoader's workers, so
     both reach them whether the workers are kept (`persistent_workers=True`) or made each epoch.
     `state_dict`/`load_state_dict` make it resumable under torchdata's `StatefulDataLoader`.
+    `path` may be a `Subset` (`ds.subset(...)`, `ds.split(...)[name]`): its rows are read, the
+    dataset opened again in each worker (it must still be the version the subset was made of).
     """
 
     def __init__(
         self,
-        path: str | os.PathLike[str],
+        path: str | os.PathLike[str] | Subset,
         batch_size: int | None = None,
         shuffle: bool = True,
         seed: int = 0,
@@ -119,6 +121,11 @@ class IterableBatches(IterableDataset[dict[str, Any]]):
         cache_limit: int | str | None = None,
         fields: Sequence[str] | None = None,
     ) -> None:
+        self._rows: tuple[str, np.ndarray] | None = None  # a subset's: (its dataset's version, its rows)
+        if isinstance(path, Subset):
+            self._rows = (path.build_id, path.selected)
+            storage_options = storage_options if storage_options is not None else path.storage_options
+            path = path.path
         self._lazy = _Lazy(path, storage_options=storage_options, cache_dir=cache_dir, cache_limit=cache_limit)
         distributed = dist.is_available() and dist.is_initialized()
         self.rank = rank if rank is not None else dist.get_rank() if distributed else 0
@@ -133,7 +140,15 @@ class IterableBatches(IterableDataset[dict[str, Any]]):
 
     def _loader(self) -> Loader:
         if self._loader_made is None:
-            self._loader_made = self._lazy.dataset.loader(rank=self.rank, world_size=self.world_size, **self._options)
+            dataset: Dataset | Subset = self._lazy.dataset
+            if self._rows is not None:
+                version, rows = self._rows
+                if dataset.build_id != version:
+                    raise ResumeMismatchError(
+                        f"{self._lazy.path} was rebuilt since the subset was made of it: make the subset again"
+                    )
+                dataset = Subset(dataset, rows)
+            self._loader_made = dataset.loader(rank=self.rank, world_size=self.world_size, **self._options)
         return self._loader_made
 
     def __getstate__(self) -> dict[str, Any]:

@@ -641,3 +641,20 @@ def test_splits_are_stable_when_the_folder_grows_shrinks_and_is_rebuilt(tmp_path
     for name in first:
         survivors = first[name] - {p.relative_to(src).as_posix() for p in removed}
         assert survivors <= second[name]  # every surviving file kept its split
+
+
+def test_iterable_batches_reads_a_split_with_dataloader_workers(numbered: Path) -> None:
+    pytest.importorskip("torch")
+    from torch.utils.data import DataLoader
+
+    from batchctl.torch import IterableBatches
+
+    parts = batchctl.open(numbered).split({"train": 0.8, "val": 0.2}, seed=1)
+    train, val = parts["train"], parts["val"]
+    want = epoch_ids(train.loader(batch_size=6, mix=4, seed=5))
+    stream = IterableBatches(train, batch_size=6, mix=4, seed=5)
+    got = [ids(b) for b in DataLoader(stream, batch_size=None, num_workers=2)]
+    assert got == want  # the subset's loader order, through the workers
+    held_out = {n for b in val.loader(batch_size=1, drop_last=False) for n in ids(b)}
+    assert held_out and not held_out & {n for b in got for n in b}  # nothing of the other split
+    assert len({n for b in got for n in b}) == sum(len(b) for b in got)  # each row once

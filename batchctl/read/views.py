@@ -39,6 +39,9 @@ class Readable(Protocol):
     def arrays(self) -> Mapping[str, Any]: ...
 
     @property
+    def storage_options(self) -> Mapping[str, object]: ...
+
+    @property
     def fields(self) -> dict[str, tuple[tuple[int, ...], np.dtype[Any]]]: ...
 
     def read_batch(
@@ -86,6 +89,7 @@ class Subset:
     def __init__(self, dataset: Readable, selected: np.ndarray) -> None:
         self.dataset, self.selected = dataset, np.asarray(selected, dtype=np.int64)
         self.path, self.build_id, self.remote = dataset.path, dataset.build_id, dataset.remote
+        self.storage_options = dict(dataset.storage_options)  # what it was opened with
         self.batch_size, self.classes, self.arrays = dataset.batch_size, dataset.classes, dataset.arrays
         self.num_samples, self.stored_rows = len(self.selected), dataset.stored_rows
         self.num_batches = dataset.num_batches
