@@ -16,7 +16,7 @@ import numpy as np
 
 from batchctl.errors import BatchctlError, FormatError, UsageError
 from batchctl.read.loader import Batch, Loader
-from batchctl.read.views import FieldsOf, Subset, select_rows, split_rows
+from batchctl.read.views import Subset, loader_of, select_rows, split_rows
 from batchctl.report import size_text
 from batchctl.store import chunkread, codec, format as fmt, metadata, storage, zarrmeta
 from batchctl.store.cache import ChunkCache
@@ -235,10 +235,7 @@ class Dataset:
         `prefetch` stored batches are read ahead (default: one group of `mix`). `fields`: only
         these arrays are read (nothing of the others); the order and resume state are the same
         whatever fields are read. See `Loader`."""
-        source = self if fields is None else FieldsOf(self, fields)
-        loader = Loader(source, batch_size, shuffle, seed, mix, rank, world_size, drop_last, prefetch)
-        self.check_cache_holds(loader.prefetch)
-        return loader
+        return loader_of(self, batch_size, shuffle, seed, mix, rank, world_size, drop_last, prefetch, fields)
 
     def subset(
         self,

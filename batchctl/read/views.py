@@ -44,6 +44,8 @@ class Readable(Protocol):
     @property
     def fields(self) -> dict[str, tuple[tuple[int, ...], np.dtype[Any]]]: ...
 
+    def __getitem__(self, index: int) -> Batch: ...
+
     def read_batch(
         self, index: int, into: Mapping[str, list[np.ndarray]] | None = None, fields: list[str] | None = None
     ) -> Batch: ...
@@ -126,10 +128,27 @@ class Subset:
         fields: Sequence[str] | None = None,
     ) -> Loader:
         """As `Dataset.loader`, over the subset's rows."""
-        source = self if fields is None else FieldsOf(self, fields)
-        loader = Loader(source, batch_size, shuffle, seed, mix, rank, world_size, drop_last, prefetch)
-        self.check_cache_holds(loader.prefetch)
-        return loader
+        return loader_of(self, batch_size, shuffle, seed, mix, rank, world_size, drop_last, prefetch, fields)
+
+
+def loader_of(
+    base: Readable,
+    batch_size: int | None,
+    shuffle: bool,
+    seed: int,
+    mix: int,
+    rank: int,
+    world_size: int,
+    drop_last: bool,
+    prefetch: int | None,
+    fields: Sequence[str] | None,
+) -> Loader:
+    """The loader of a dataset or a subset (`Dataset.loader`, `Subset.loader`): over its rows, read
+    for `fields` only when given, refused when its cache cannot hold what the loader reads ahead."""
+    source = base if fields is None else FieldsOf(base, fields)
+    loader = Loader(source, batch_size, shuffle, seed, mix, rank, world_size, drop_last, prefetch)
+    base.check_cache_holds(loader.prefetch)
+    return loader
 
 
 def column(dataset: Readable, name: str) -> np.ndarray:
