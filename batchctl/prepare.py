@@ -115,7 +115,7 @@ def read_published(paths: BuildPaths, keep_tail: bool) -> Published:
     except (OSError, FormatError) as exc:
         return Published(attrs, record_problem=f"its last shard cannot be kept open ({exc})")
     hashes = hashes_by_shard(arrays, info.shards, attrs.num_shards) if info else {}  # not read again
-    return Published(attrs, record, source_width=width, tail_chunks=tail, shard_sha256=hashes)
+    return Published(attrs, record, source_width=width, tail_chunks=tail, shard_sha256=hashes, arrays=arrays)
 
 
 def damaged_shards(paths: BuildPaths, published: Published, shards: Collection[int]) -> dict[int, str]:
@@ -124,8 +124,7 @@ def damaged_shards(paths: BuildPaths, published: Published, shards: Collection[i
     OUTPUT: the kept files are read once, in threads), else its index and size (an object store,
     whose objects are replaced whole, never edited in place; a dataset of an older batchctl)."""
     assert published.record is not None
-    files = DatasetFiles(paths.url, paths.storage_options)
-    arrays = files.arrays()
+    files, arrays = DatasetFiles(paths.url, paths.storage_options), published.arrays  # (read once, by read_published)
     per_shard = published.record.shard_batches
     checks = [
         (shard, name, None if paths.remote else published.shard_sha256.get(shard, {}).get(name))

@@ -33,6 +33,7 @@ from batchctl.store.journal import (
 )
 from batchctl.store.metadata import DatasetAttrs
 from batchctl.store.record import Record, Skipped, check_fits
+from batchctl.store.zarrmeta import ArrayMeta
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,7 @@ class Published:
     tail_chunks: Mapping[str, tuple[Chunk, ...]] = field(default_factory=dict)  # its short last shard's chunks
     shard_sha256: Mapping[int, Mapping[str, str]] = field(default_factory=dict)  # shard -> {array: its file's hash}
     damaged: Mapping[int, str] = field(default_factory=dict)  # shard -> why its files are not what was written
+    arrays: Mapping[str, ArrayMeta] = field(default_factory=dict)  # its arrays' documents, as read
 
 
 @dataclass(frozen=True)
