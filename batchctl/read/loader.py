@@ -103,7 +103,7 @@ class EpochOrder:
         """`selected`: a subset's rows (sorted global indices) of a dataset of `stored_rows` rows;
         only the stored batches holding them are visited, and only they are ordered."""
         self.num_samples, self.stored_batch, self.options = num_samples, stored_batch, options
-        self.selected, self.stored_rows = selected, num_samples if stored_rows is None else stored_rows
+        self.selected = selected
         rng = np.random.default_rng([options.seed, epoch])
         self.visit: np.ndarray  # the stored batches read, in visit order, `group` at a time
         if selected is None:
@@ -120,11 +120,13 @@ class EpochOrder:
             if stored:
                 lengths[-1] = num_samples - (stored - 1) * stored_batch
         else:
-            stored = -(-self.stored_rows // stored_batch)
+            stored = -(-(num_samples if stored_rows is None else stored_rows) // stored_batch)
             lengths = np.bincount(selected // stored_batch, minlength=stored).astype(np.int64)
             present = np.flatnonzero(lengths)  # only the stored batches holding its rows are read
-            found, self.group = _visit_order(len(present), options.mix, rng) if options.shuffle else (present, 1)
-            self.visit = present[found] if options.shuffle else present
+            found, self.group = (
+                _visit_order(len(present), options.mix, rng) if options.shuffle else (np.arange(len(present)), 1)
+            )
+            self.visit = present[found]
         self.permute = options.shuffle and options.mix > 1
         self.epoch = epoch
         self.slot = np.zeros(stored, dtype=np.int64)  # each visited stored batch's place in its group
