@@ -120,6 +120,7 @@ class IterableBatches(IterableDataset[dict[str, Any]]):
         cache_dir: str | os.PathLike[str] | None = None,
         cache_limit: int | str | None = None,
         fields: Sequence[str] | None = None,
+        partitions: int | None = None,
     ) -> None:
         self._rows: tuple[str, np.ndarray] | None = None  # a subset's: (its dataset's version, its rows)
         if isinstance(path, Subset):
@@ -132,9 +133,13 @@ class IterableBatches(IterableDataset[dict[str, Any]]):
         self.world_size = world_size if world_size is not None else dist.get_world_size() if distributed else 1
         self._options: dict[str, Any] = {"batch_size": batch_size, "shuffle": shuffle, "seed": seed, "mix": mix}
         self._options.update(drop_last=drop_last, prefetch=prefetch, fields=fields)
+        # the order's partitions: given, else a loaded state's, else one per rank x worker of the first pass
+        self._options.update(partitions=partitions)
+        self._partitions = partitions
         self._loader_made: Loader | None = None
         self._loader()  # options checked here, not first in a DataLoader worker
         self._epoch: Any = RawValue("q", 0)  # shared with DataLoader workers (inherited, or passed as they start)
+        self._workers_said: Any = RawValue("q", 0)  # the partitions the workers' first pass fixed (0: none yet)
         self._pass: _Pass | None = None
         self._workers: int | None = None  # as a loaded state says; checked against the DataLoader's
 
@@ -155,6 +160,7 @@ class IterableBatches(IterableDataset[dict[str, Any]]):
         state = {**self.__dict__, "_loader_made": None}
         if not pickled_for_a_child():  # a copy, not a worker being started: its own epoch
             state["_epoch"] = RawValue("q", self.epoch)
+            state["_workers_said"] = RawValue("q", self._workers_said.value)
         return state
 
     @property
@@ -168,7 +174,11 @@ class IterableBatches(IterableDataset[dict[str, Any]]):
             self._epoch.value, self._pass = int(epoch), None
 
     def __len__(self) -> int:
-        """This rank's steps left in the current epoch (all workers together)."""
+        """This rank's steps left in the current epoch (all workers together). Partitions not
+        given nor loaded are one per rank x DataLoader worker, which the main process learns
+        when the workers begin: before, it counts one per rank."""
+        if self._partitions is None and self._workers_said.value:
+            self._loader().with_partitions(self._workers_said.value)
         current = self._current()
         return len(self._rank_steps(current)) - current.yielded  # a DataLoader's main process hands out none itself
 
@@ -196,6 +206,9 @@ class IterableBatches(IterableDataset[dict[str, Any]]):
             raise ResumeMismatchError(
                 f"the state was saved with {self._workers} DataLoader workers, this DataLoader has {workers}"
             )
+        if self._partitions is None:  # fixed by the first pass: one share per rank x worker
+            self._partitions = self._workers_said.value = self.world_size * workers
+        self._loader().with_partitions(self._partitions, workers)
         current = self._current()
         return self._run(current, self._rank_steps(current)[worker::workers][current.yielded :])
 
@@ -229,7 +242,8 @@ class IterableBatches(IterableDataset[dict[str, Any]]):
         DataLoader workers continues exactly (every rank had taken `yielded` steps of the global
         order: the position is moved past them); one with workers is refused in one line (each
         worker's state holds its own count only, not the rank's)."""
-        self._loader().check_state(state)
+        self._partitions = self._loader().check_state(state)
+        self._loader().with_partitions(self._partitions, self._worker()[1])
         # world_size not said: a state of an earlier batchctl, taken as this world size's
         counts = {"workers": 1, "worker": 0, "yielded": 0, "world_size": self.world_size}
         counts = {name: state.get(name, default) for name, default in counts.items()}

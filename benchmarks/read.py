@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 import batchctl
-from batchctl.read.loader import EpochOrder, OrderOptions
+from batchctl.read.order import EpochOrder, OrderOptions
 from batchctl.synthetic import make_image_folder
 
 HERE = Path(__file__).resolve().parent

@@ -22,6 +22,7 @@ import pytest
 import batchctl
 from batchctl.read.loader import Loader
 from tests.conftest import ROOT, run_cli
+from tests.ranks import run_ranks, stored_bytes
 
 CLASSES, PER_CLASS, STORED = 5, 41, 8  # 205 samples: 25 full stored batches and a short one
 WIDTH = 1024  # int32s per row: 4 KiB, so uncompressed rows are read straight into output batches
@@ -71,6 +72,11 @@ def epoch_ids(loader: Loader | Any) -> list[list[int]]:
     return [ids(b) for b in loader]
 
 
+def stored_batch_of(ds: Any) -> dict[int, int]:
+    """Each sample's stored batch (a `--sorted` build stores them by class, not by number)."""
+    return {n: index for index in range(len(ds)) for n in ids(ds[index])}
+
+
 OPTION_SETS = [
     {},
     {"batch_size": 5},
@@ -106,12 +112,13 @@ def test_every_sample_once_in_batches_of_any_size(
 
 
 def test_ranks_share_one_order(numbered: Path) -> None:
+    """Every world size dividing the partitions gets world size 1's order, each rank reading its own stored batches."""
     ds = batchctl.open(numbered)
-    options = {"batch_size": 6, "mix": 4, "seed": 3}
+    options = {"batch_size": 6, "mix": 4, "seed": 3, "partitions": 12}
     whole = ds.loader(**options)
     whole.set_epoch(2)
     single = epoch_ids(whole)
-    for world in (2, 3, 4):
+    for world in (2, 3, 4, 6):
         shares = []
         for rank in range(world):
             loader = ds.loader(**options, rank=rank, world_size=world)
@@ -123,6 +130,9 @@ def test_ranks_share_one_order(numbered: Path) -> None:
         assert [shares[j % world][j // world] for j in range(len(shares[0]) * world)] == single[
             : len(shares[0]) * world
         ]
+        where = stored_batch_of(ds)
+        stored = [{where[n] for b in share for n in b} for share in shares]
+        assert sum(map(len, stored)) == len(set().union(*stored))  # no stored batch read by two ranks
     padded = [epoch_ids(ds.loader(batch_size=25, drop_last=False, rank=r, world_size=3)) for r in range(3)]
     assert [len(p) for p in padded] == [3, 3, 3]  # 9 batches of <= 25 rows; the last round filled from the first
     assert sorted(n for p in padded for b in p for n in b)[: ds.num_samples] == list(range(ds.num_samples))
@@ -195,7 +205,7 @@ def test_resume_twice_in_a_row(numbered: Path) -> None:
 @pytest.mark.parametrize(("old", "new"), [(4, 2), (2, 3), (3, 1)])
 def test_elastic_resume_on_another_world_size(numbered: Path, old: int, new: int) -> None:
     ds = batchctl.open(numbered)
-    options = {"batch_size": 4, "mix": 8, "seed": 11}
+    options = {"batch_size": 4, "mix": 8, "seed": 11, "partitions": 12}
     epoch = epoch_ids(ds.loader(**options))
     total = len(epoch)
     consumed: list[int] = []
@@ -225,6 +235,27 @@ def test_elastic_resume_on_another_world_size(numbered: Path, old: int, new: int
     expected = {n for b in epoch[5 * old : total - left_over] for n in b}
     assert set(remaining) == expected
     assert set(consumed) == {n for b in epoch[: 5 * old] for n in b}
+
+
+def test_a_resume_outside_the_partitions_family_is_refused_in_one_line(numbered: Path) -> None:
+    ds = batchctl.open(numbered)
+    states = []
+    for rank in range(2):  # partitions not given: one per rank, fixed by this run
+        loader = ds.loader(batch_size=4, rank=rank, world_size=2)
+        next(iter(loader))
+        states.append(loader.state_dict())
+    assert states[0]["options"]["partitions"] == 2
+    single = ds.loader(batch_size=4)  # 1 divides 2: resumed exactly, the state's partitions taken
+    single.load_state_dict(json.loads(json.dumps(states[0])))
+    assert single.options.partitions == 2
+    assert epoch_ids(single) == epoch_ids(ds.loader(batch_size=4, partitions=2))[2:]
+    with pytest.raises(batchctl.ResumeMismatchError, match=r"cut into 2 partitions, which 3 ranks") as caught:
+        ds.loader(batch_size=4, rank=0, world_size=3).load_state_dict(states[0])
+    assert "\n" not in str(caught.value) and "partitions= a multiple" in str(caught.value)
+    with pytest.raises(batchctl.UsageError, match=r"cut into 4 partitions, which 3 ranks"):
+        ds.loader(rank=0, world_size=3, partitions=4)
+    with pytest.raises(batchctl.ResumeMismatchError, match=r"saved with partitions=2, this loader has partitions=4"):
+        ds.loader(batch_size=4, partitions=4).load_state_dict(states[0])
 
 
 def test_a_state_of_another_version_or_options_is_refused(tmp_path: Path) -> None:
@@ -286,10 +317,46 @@ def test_a_damaged_chunk_read_by_the_loader_is_a_format_error(tmp_path: Path) ->
     assert epoch_ids(ds.loader(mix=4))  # whole, it reads
     shard = next(p for p in (out / "array" / "c").rglob("*") if p.is_file())
     data = bytearray(shard.read_bytes())
-    data[100] ^= 0xFF
+    data[100] ^= 0xFF  # a row of stored batch 0
     shard.write_bytes(bytes(data))
     with pytest.raises(batchctl.FormatError, match="checksum does not match"):
         list(batchctl.open(out).loader(mix=4))
+    # 4 ranks, each reading its own stored batches: the one whose share holds batch 0 says so
+    said = {}
+    for rank in range(4):
+        loader = batchctl.open(out).loader(mix=4, batch_size=4, rank=rank, world_size=4)
+        try:
+            epoch_ids(loader)
+        except batchctl.FormatError as exc:
+            said[rank] = str(exc)
+    readers = [rank for rank in range(4) if 0 in loader.order(0).stored_read_by(rank, 4)]
+    assert list(said) == readers and len(readers) == 1
+    assert said[readers[0]] == "array shard 0, batch 0: the chunk checksum does not match", said
+
+
+def test_ranks_and_dataloader_workers_read_each_stored_byte_once(numbered: Path) -> None:
+    """4 ranks (processes with torchrun's environment) x 2 DataLoader workers: the bytes their
+    processes read, as the kernel counts them, are the stored bytes once, plus a shard index per
+    consumer; together they take the one order of 8 partitions, every row once."""
+    pytest.importorskip("torch")
+    options = {"batch_size": 6, "mix": 4, "seed": 1}
+    grid = json.loads((numbered / "array" / "zarr.json").read_text())["chunk_grid"]["configuration"]
+    index = 4 * ((grid["chunk_shape"][0] // STORED) * 16 + 4)  # a shard index of each of the 4 arrays
+    stored = stored_bytes(numbered, ["array"])  # labels and sources are compressed: read from a mapping, uncounted
+    for world, workers in ((4, 2), (1, 2)):
+        consumers = world * workers
+        ranks = run_ranks(numbered, world, workers, options)
+        read = sum(rank["read"] for rank in ranks)
+        assert read <= 1.05 * stored + consumers * index, (world, workers, read / stored)
+        order = batchctl.open(numbered).loader(**options, partitions=consumers).order(0)
+        want = [str(s) for j in range(order.batches) for s in _sources_of(numbered, order.rows(j))]
+        got = [s for rank in ranks for s in rank["sources"]]
+        assert sorted(got) == sorted(want) and len(set(got)) == len(got)  # every row of the order once
+
+
+def _sources_of(path: Path, rows: np.ndarray) -> list[str]:
+    ds = batchctl.open(path)
+    return [str(ds.sample(int(row))["source"]) for row in rows]
 
 
 # --- PyTorch ---------------------------------------------------------------------------------
@@ -318,7 +385,7 @@ def _stateful_run(
 @pytest.mark.parametrize("workers", [0, 2])
 def test_stateful_dataloader_resumes_exactly(numbered: Path, workers: int) -> None:
     pytest.importorskip("torchdata")
-    reference = batchctl.open(numbered).loader(batch_size=6, mix=4, seed=5)
+    reference = batchctl.open(numbered).loader(batch_size=6, mix=4, seed=5, partitions=max(workers, 1))
     expected = epoch_ids(reference) + epoch_ids(reference)
     full, _ = _stateful_run(numbered, workers)
     assert full == expected  # the loader's order with or without workers, epochs advancing by themselves
@@ -335,7 +402,7 @@ def test_torch_epochs_advance_with_persistent_workers(numbered: Path) -> None:
 
     from batchctl.torch import IterableBatches
 
-    reference = batchctl.open(numbered).loader(batch_size=10, seed=2)
+    reference = batchctl.open(numbered).loader(batch_size=10, seed=2, partitions=2)  # one per worker
     epochs = [epoch_ids(reference) for _ in range(3)]
     stream = IterableBatches(numbered, batch_size=10, seed=2)
     loader = DataLoader(stream, batch_size=None, num_workers=2, persistent_workers=True)
@@ -358,7 +425,8 @@ def test_torch_epochs_advance_with_persistent_workers(numbered: Path) -> None:
         ]
         for r in range(2)
     ]
-    assert [ranks[j % 2][j // 2] for j in range(2 * len(ranks[0]))] == epochs[0][: 2 * len(ranks[0])]
+    order = epoch_ids(batchctl.open(numbered).loader(batch_size=10, seed=2, partitions=4))  # 2 ranks x 2 workers
+    assert [ranks[j % 2][j // 2] for j in range(2 * len(ranks[0]))] == order
 
 
 DDP_RANK = """
@@ -400,7 +468,7 @@ def test_ranks_come_from_torch_distributed(numbered: Path) -> None:
         share = json.loads(out.strip().splitlines()[-1])
         assert share["world"] == 2 and share["steps"] == len(share["batches"])
         shares[share["rank"]] = share["batches"]
-    order = epoch_ids(batchctl.open(numbered).loader(batch_size=10, seed=2))
+    order = epoch_ids(batchctl.open(numbered).loader(batch_size=10, seed=2, partitions=4))  # 2 ranks x 2 workers
     assert len(shares[0]) == len(shares[1]) == len(order) // 2
     assert [shares[j % 2][j // 2] for j in range(len(order))] == order
 
@@ -414,7 +482,7 @@ def test_a_resume_position_past_the_epoch_is_refused_in_one_line(numbered: Path,
     state = {**loader.state_dict(), "position": position}
     with pytest.raises(batchctl.ResumeMismatchError) as refused:
         batchctl.open(numbered).loader(batch_size=6).load_state_dict(state)
-    assert "\n" not in str(refused.value) and ("past the end of the epoch" in str(refused.value) or position >= 2**63)
+    assert "\n" not in str(refused.value) and ("past the end of epoch" in str(refused.value) or position >= 2**63)
     state = {**loader.state_dict(), "position": 33}
     batchctl.open(numbered).loader(batch_size=6).load_state_dict(state)  # the epoch's last batch: fine
     with pytest.raises(batchctl.ResumeMismatchError):
@@ -442,7 +510,7 @@ def test_an_iterable_batches_state_resumes_exactly_on_another_world_size_or_is_r
 
     from batchctl.torch import IterableBatches
 
-    expected = epoch_ids(batchctl.open(numbered).loader(batch_size=6, mix=4, seed=5))  # 34 batches
+    expected = epoch_ids(batchctl.open(numbered).loader(batch_size=6, mix=4, seed=5, partitions=2))  # one per rank
     heads = [_stream_state(numbered, 0, rank, 2, stop=5) for rank in range(2)]
     assert heads[0][0] == expected[0:10:2] and heads[1][0] == expected[1:10:2]
     for state in (heads[0][1], heads[1][1]):  # either rank's state: the same global position
@@ -542,12 +610,18 @@ def test_set_epoch_of_another_epoch_after_a_resume_says_so_in_one_line(
 
 def test_too_many_ranks_or_too_big_a_batch_for_an_epoch_is_one_line_not_an_empty_epoch(numbered: Path) -> None:
     ds = batchctl.open(numbered)  # 205 samples
-    for options in ({"batch_size": 6, "world_size": 64, "rank": 3}, {"batch_size": 4000}):
+    # 20 partitions of 26 stored batches of 8: some partition has a single one, no batch of 9
+    for options in ({"batch_size": 9, "world_size": 20, "rank": 3}, {"batch_size": 4000}):
         with pytest.raises(batchctl.UsageError) as refused:
             ds.loader(**options)  # type: ignore[arg-type]
         assert "\n" not in str(refused.value) and "drop_last=False" in str(refused.value)
-    padded = [ids(b) for b in ds.loader(batch_size=6, world_size=64, rank=40, drop_last=False)]
-    assert len(padded) == 1 and len(padded[0]) == 6  # the documented padding: every rank takes a step
+    with pytest.raises(batchctl.UsageError, match="26 stored batches cannot be dealt to 64 partitions") as refused:
+        ds.loader(batch_size=6, world_size=64, rank=3, drop_last=False)  # each stored batch is read by one rank
+    assert "\n" not in str(refused.value)
+    # the documented padding: every rank takes as many steps, a partition repeating its first batches
+    padded = [epoch_ids(ds.loader(batch_size=9, world_size=20, rank=r, drop_last=False)) for r in range(20)]
+    assert len({len(share) for share in padded}) == 1
+    assert {n for share in padded for batch in share for n in batch} == set(range(ds.num_samples))
 
 
 def _bytes_read() -> int:
@@ -651,7 +725,7 @@ def test_iterable_batches_reads_a_split_with_dataloader_workers(numbered: Path) 
 
     parts = batchctl.open(numbered).split({"train": 0.8, "val": 0.2}, seed=1)
     train, val = parts["train"], parts["val"]
-    want = epoch_ids(train.loader(batch_size=6, mix=4, seed=5))
+    want = epoch_ids(train.loader(batch_size=6, mix=4, seed=5, partitions=2))  # one per DataLoader worker
     stream = IterableBatches(train, batch_size=6, mix=4, seed=5)
     got = [ids(b) for b in DataLoader(stream, batch_size=None, num_workers=2)]
     assert got == want  # the subset's loader order, through the workers

@@ -1,29 +1,20 @@
-"""Training reads: one row order per epoch, cut into batches of any size and shared by ranks.
+"""Training reads: one row order per epoch (`read/order.py`), read by ranks and DataLoader workers.
 
-The order is a pure function of (seed, epoch, the dataset, batch_size, mix, drop_last), computed
-the same way by every rank, every world size and every DataLoader worker. So a position in it
-(how many output batches all ranks together have taken) is a complete, tiny resume state that
-means the same rows on any number of ranks: exact and elastic resume are the same operation.
-
-How an epoch is ordered (`EpochOrder`): with `shuffle`, the stored batches are visited in an
-order seeded by (seed, epoch), `mix` at a time, each group drawn across the whole dataset
-(`_visit_order`); the rows of each group are permuted together (seeded by seed, epoch and the
-group), the groups' rows follow one another, and that row sequence is cut into output batches of
-`batch_size`. `mix=1` keeps each stored batch's rows in stored order
-(the batch-level shuffle: no gather, the fastest). Without `shuffle`, rows come in stored order.
-Output batch j of the epoch goes to rank j % world_size, so ranks take disjoint, equally long
-shares: `drop_last` leaves out the short last batch and the batches that cannot be shared evenly;
-without it the last round is filled from the epoch's first batches (as torch's DistributedSampler
-pads), so every rank still takes as many steps.
+The order is a pure function of the options and the epoch, computed the same way by every rank,
+every world size and every DataLoader worker, so a position in it (how many output batches all
+ranks together have taken) is a complete, tiny resume state. Output batch j goes to rank j %
+world_size; an epoch is cut into `partitions` disjoint shares of stored batches and batch j is
+share j % partitions's, so when the consumers divide the partitions each stored batch is read by
+one consumer only, and the order is the same for each such consumer count: exact and elastic
+resume are the same operation.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
-import math
 import os
 import threading
-from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -32,6 +23,7 @@ from typing import Any, Protocol, cast
 import numpy as np
 
 from batchctl.errors import ResumeMismatchError, UsageError, warn
+from batchctl.read.order import EpochOrder, OrderOptions, family_problem, rank_batches
 from batchctl.store.metadata import SOURCE
 
 STATE_FORMAT = "batchctl.loader/1"
@@ -61,171 +53,6 @@ class BatchSource(Protocol):
     def read_batch(
         self, index: int, into: Mapping[str, list[np.ndarray]] | None = None, fields: list[str] | None = None
     ) -> Batch: ...
-
-
-@dataclass(frozen=True)
-class OrderOptions:
-    """What an epoch's order depends on besides the dataset and the epoch (a resume state must match)."""
-
-    batch_size: int
-    shuffle: bool
-    seed: int
-    mix: int
-    drop_last: bool
-
-    def checked(self) -> OrderOptions:
-        """These options with plain ints (a NumPy int would not go into a JSON state), or a UsageError."""
-        for name, least in (("batch_size", 1), ("mix", 1), ("seed", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
-                raise UsageError(f"Expected {name} to be an int >= {least}, got {value!r} instead.")
-        return OrderOptions(
-            int(self.batch_size), bool(self.shuffle), int(self.seed), int(self.mix), bool(self.drop_last)
-        )
-
-
-class EpochOrder:
-    """One epoch's rows, as a sequence of output batches of global row indices.
-
-    Nothing of size num_samples is built: the visit order of stored batches is one index per
-    stored batch, and a group's row permutation is made when a batch of that group is asked for.
-    """
-
-    def __init__(
-        self,
-        num_samples: int,
-        stored_batch: int,
-        options: OrderOptions,
-        epoch: int,
-        selected: np.ndarray | None = None,
-        stored_rows: int | None = None,
-    ) -> None:
-        """`selected`: a subset's rows (sorted global indices) of a dataset of `stored_rows` rows;
-        only the stored batches holding them are visited, and only they are ordered."""
-        self.num_samples, self.stored_batch, self.options = num_samples, stored_batch, options
-        self.selected = selected
-        rng = np.random.default_rng([options.seed, epoch])
-        self.visit: np.ndarray  # the stored batches read, in visit order, `group` at a time
-        if selected is None:
-            stored, short = divmod(num_samples, stored_batch)
-            self.visit, self.group = (
-                _visit_order(stored, options.mix, rng) if options.shuffle else (np.arange(stored), 1)
-            )
-            # a short last stored batch is visited last: the others' rows then line up with output
-            # batches of the stored size (at mix=1, the stored batches themselves), and it ends its group
-            if short:
-                self.visit = np.append(self.visit, stored)
-                stored += 1
-            lengths = np.full(stored, stored_batch, dtype=np.int64)
-            if stored:
-                lengths[-1] = num_samples - (stored - 1) * stored_batch
-        else:
-            stored = -(-(num_samples if stored_rows is None else stored_rows) // stored_batch)
-            lengths = np.bincount(selected // stored_batch, minlength=stored).astype(np.int64)
-            present = np.flatnonzero(lengths)  # only the stored batches holding its rows are read
-            found, self.group = (
-                _visit_order(len(present), options.mix, rng) if options.shuffle else (np.arange(len(present)), 1)
-            )
-            self.visit = present[found]
-        self.permute = options.shuffle and options.mix > 1
-        self.epoch = epoch
-        self.slot = np.zeros(stored, dtype=np.int64)  # each visited stored batch's place in its group
-        self.slot[self.visit] = np.arange(len(self.visit)) % self.group
-        visited = lengths[self.visit]
-        groups = math.ceil(len(self.visit) / self.group)
-        sizes = np.add.reduceat(visited, np.arange(groups) * self.group) if groups else np.zeros(0, np.int64)
-        self.group_start = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-        self.batches = epoch_batches(num_samples, options)
-        self._rows: OrderedDict[int, np.ndarray] = OrderedDict()
-
-    def stored_of_group(self, group: int) -> np.ndarray:
-        return self.visit[group * self.group : (group + 1) * self.group]
-
-    def group_rows(self, group: int) -> np.ndarray:
-        """The group's global row indices in epoch order (a few recent groups are kept)."""
-        rows = self._rows.get(group)
-        if rows is None:
-            size, selected = self.stored_batch, self.selected
-            if selected is None:
-                ranges = [
-                    np.arange(s * size, min((s + 1) * size, self.num_samples)) for s in self.stored_of_group(group)
-                ]
-            else:
-                bounds = [np.searchsorted(selected, [s * size, (s + 1) * size]) for s in self.stored_of_group(group)]
-                ranges = [selected[lo:hi] for lo, hi in bounds]
-            rows = np.concatenate(ranges)
-            if self.permute:
-                rows = np.random.default_rng([self.options.seed, self.epoch, 1, group]).permutation(rows)
-            self._rows[group] = rows
-            if len(self._rows) > 4:
-                self._rows.popitem(last=False)
-        return rows
-
-    def groups_of(self, batch: int) -> range:
-        """The groups output batch `batch` takes rows from, in epoch order."""
-        start, stop = self._span(batch)
-        first = int(np.searchsorted(self.group_start, start, side="right")) - 1
-        last = int(np.searchsorted(self.group_start, stop - 1, side="right")) - 1
-        return range(first, last + 1)
-
-    def parts(self, batch: int) -> list[tuple[int, np.ndarray]]:
-        """Output batch `batch` as (group, its global row indices) for each group it takes rows from."""
-        start, stop = self._span(batch)
-        parts = []
-        for group in self.groups_of(batch):
-            base = int(self.group_start[group])
-            parts.append((group, self.group_rows(group)[max(start - base, 0) : stop - base]))
-        return parts
-
-    def rows(self, batch: int) -> np.ndarray:
-        """Global row indices of output batch `batch`, in order."""
-        parts = [rows for _, rows in self.parts(batch)]
-        return np.concatenate(parts) if len(parts) > 1 else parts[0]
-
-    def in_group(self, rows: np.ndarray) -> np.ndarray:
-        """Where global rows lie in their group's rows laid end to end in visit order."""
-        stored, row = np.divmod(rows, self.stored_batch)
-        return self.slot[stored] * self.stored_batch + row
-
-    def _span(self, batch: int) -> tuple[int, int]:
-        if not 0 <= batch < self.batches:
-            raise IndexError(f"output batch {batch} out of range: the epoch has {self.batches}")
-        start = batch * self.options.batch_size
-        return start, min(start + self.options.batch_size, self.num_samples)
-
-
-def epoch_batches(num_samples: int, options: OrderOptions) -> int:
-    """The output batches of an epoch (all ranks together)."""
-    batch = options.batch_size
-    return num_samples // batch if options.drop_last else math.ceil(num_samples / batch)
-
-
-def _visit_order(stored: int, mix: int, rng: np.random.Generator) -> tuple[np.ndarray, int]:
-    """The order stored batches are visited in, `mix` at a time (a group per `mix` of them).
-
-    A group takes one stored batch from each of `mix` bands of consecutive stored batches, each
-    band's chosen at random, and the full groups come in random order (a short one last). So a
-    group spans the whole dataset: in a build whose rows are sorted by class, each group holds
-    every class in proportion, where `mix` batches drawn at random would miss some (16 of 128
-    sorted batches of 10 classes: 8.8 classes per output batch where a global permutation gives
-    10). On rows in no particular order it is as random as a plain permutation."""
-    if mix == 1:
-        return rng.permutation(stored), 1
-    bands = [rng.permutation(band) for band in np.array_split(np.arange(stored), mix)]
-    full = stored // mix  # groups with one batch from every band; the first stored % mix bands have one more
-    groups = np.array([band[:full] for band in bands], dtype=np.int64).T.reshape(full, mix)
-    partial = np.array([band[full] for band in bands if len(band) > full], dtype=np.int64)
-    return np.concatenate([groups[rng.permutation(full)].reshape(-1), partial]), mix
-
-
-def rank_batches(total: int, position: int, rank: int, world_size: int, drop_last: bool) -> range | list[int]:
-    """The output batches rank `rank` takes from `position` on (a position counts the batches all
-    ranks together have taken: it is the same number on every rank)."""
-    left = max(total - position, 0)
-    if drop_last:
-        return range(position + rank, position + (left // world_size) * world_size, world_size)
-    steps = math.ceil(left / world_size)
-    return [(position + t * world_size + rank) % total for t in range(steps)] if total else []
 
 
 def gather(batches: dict[int, Batch], rows: np.ndarray, stored_batch: int) -> Batch:
@@ -276,22 +103,21 @@ class Loader:
         world_size: int = 1,
         drop_last: bool = True,
         prefetch: int | None = None,
+        partitions: int | None = None,
     ) -> None:
         self.dataset = dataset
-        size = dataset.batch_size if batch_size is None else batch_size
-        self.options = OrderOptions(size, bool(shuffle), seed, mix, bool(drop_last)).checked()
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise UsageError(f"Expected world_size to be a positive int, got {world_size!r} instead.")
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
             raise UsageError(f"Expected 0 <= rank < world_size, got rank {rank!r}, world_size {world_size} instead.")
         self.rank, self.world_size = rank, world_size
-        total = epoch_batches(dataset.num_samples, self.options)
-        if self.options.drop_last and total < world_size:  # some rank would get nothing, silently
-            raise UsageError(
-                f"{dataset.num_samples} samples make {total} batches of {self.options.batch_size} an epoch, fewer than "
-                f"the {world_size} ranks: lower batch_size or world_size, or pass drop_last=False (the last "
-                "round is then filled from the epoch's first batches)"
-            )
+        size = dataset.batch_size if batch_size is None else batch_size
+        # partitions not given: one per rank, fixed by the run that starts (a loaded state's are taken)
+        self.partitions_given = partitions is not None
+        shares = world_size if partitions is None else partitions
+        self.options = OrderOptions(size, bool(shuffle), seed, mix, bool(drop_last), shares).checked()
+        if problem := family_problem(self.options.partitions, world_size):
+            raise UsageError(problem[0].upper() + problem[1:])
         # one group read ahead by default (at least 2 batches), so the next group is read while this one is cut
         self.prefetch = max(self.options.mix if self.options.shuffle else 1, 2) if prefetch is None else prefetch
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
@@ -299,16 +125,32 @@ class Loader:
         self.epoch, self.position = 0, 0
         self._order: EpochOrder | None = None
         self._loaded: tuple[int, int] | None = None  # a state just loaded, until the loader is read
+        self.order()  # an epoch with no batch for some consumer is refused here, not as an empty loop
+
+    def with_partitions(self, partitions: int, workers: int = 1) -> None:
+        """Cut the order into `partitions` shares (a state's, or one per consumer when the
+        DataLoader's workers are known); refused in one line when the consumers do not divide them."""
+        if problem := family_problem(partitions, self.world_size, workers):
+            raise ResumeMismatchError(problem)
+        if partitions != self.options.partitions:
+            self.options = dataclasses.replace(self.options, partitions=partitions)
+            self._order = None
+            self.order()
 
     def order(self, epoch: int | None = None) -> EpochOrder:
         """The order of `epoch` (default: the current one)."""
         epoch = self.epoch if epoch is None else epoch
         if self._order is None or self._order.epoch != epoch:
-            dataset = self.dataset
-            self._order = EpochOrder(
-                dataset.num_samples, dataset.batch_size, self.options, epoch, dataset.selected, dataset.stored_rows
-            )
+            dataset, options = self.dataset, self.options
+            order = self._order_of(options, epoch)
+            if order.batches < self.world_size and (options.drop_last or not order.batches):
+                raise UsageError(_empty_epoch(dataset, options, order, self.world_size))
+            self._order = order
         return self._order
+
+    def _order_of(self, options: OrderOptions, epoch: int) -> EpochOrder:
+        ds = self.dataset
+        return EpochOrder(ds.num_samples, ds.batch_size, options, epoch, ds.selected, ds.stored_rows)
 
     def set_epoch(self, epoch: int) -> None:
         if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
@@ -360,13 +202,15 @@ class Loader:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from `state`, taken from a loader of the same dataset and options on any number of ranks."""
-        self.check_state(state)
+        """Continue from `state`, taken from a loader of the same dataset and options on any
+        number of ranks that divides its partitions (whose count this loader takes, unless given)."""
+        self.with_partitions(self.check_state(state))
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self._loaded = (self.epoch, self.position)
 
-    def check_state(self, state: Any) -> None:
-        """Refuse, in one line naming the difference, a state this loader cannot continue."""
+    def check_state(self, state: Any) -> int:
+        """Refuse, in one line naming the difference, a state this loader cannot continue;
+        return its partitions (a state of a batchctl before them had one)."""
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
             raise ResumeMismatchError(f"not a batchctl loader state (expected format {STATE_FORMAT!r})")
         ours, theirs = self.dataset_version(), state.get("dataset")
@@ -378,20 +222,25 @@ class Loader:
         saved = state.get("options")
         if not isinstance(saved, dict):
             raise ResumeMismatchError("the state has no loader options")
+        saved = {"partitions": 1, **saved}
+        partitions = saved["partitions"]
+        if isinstance(partitions, bool) or not isinstance(partitions, int) or not 1 <= partitions < 2**31:
+            raise ResumeMismatchError(f"the state's partitions are not an int >= 1: {partitions!r}")
         for name, value in asdict(self.options).items():
-            if saved.get(name) != value:
+            if saved.get(name) != value and (name != "partitions" or self.partitions_given):
                 raise ResumeMismatchError(
                     f"the state was saved with {name}={saved.get(name)!r}, this loader has {name}={value!r}"
                 )
         epoch, position = state.get("epoch"), state.get("position")
         if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63 for v in (epoch, position)):
             raise ResumeMismatchError(f"the state's epoch and position are not ints >= 0: {epoch!r}, {position!r}")
-        total = epoch_batches(self.dataset.num_samples, self.options)
+        total = self._order_of(dataclasses.replace(self.options, partitions=partitions), cast(int, epoch)).batches
         if position and position >= total:
             raise ResumeMismatchError(
-                f"the state's position {position} lies past the end of the epoch ({total} batches of "
+                f"the state's position {position} lies past the end of epoch {epoch} ({total} batches of "
                 f"{self.options.batch_size} on {self.dataset.num_samples} samples): it is not a state of this loader"
             )
+        return partitions
 
     def dataset_version(self) -> dict[str, Any]:
         """The dataset's version, and which of its rows are read (a state of another subset is refused)."""
@@ -401,12 +250,35 @@ class Loader:
         return version
 
 
+def _empty_epoch(dataset: BatchSource, options: OrderOptions, order: EpochOrder, ranks: int) -> str:
+    """Why an epoch leaves a rank without a batch, and what to change."""
+    if len(order.visit) < options.partitions:
+        return (
+            f"{len(order.visit)} stored batches cannot be dealt to {options.partitions} partitions (one per rank "
+            "x DataLoader worker unless partitions= says), each read by one consumer: use fewer ranks, workers or "
+            "partitions"
+        )
+    return (
+        f"{dataset.num_samples} samples in stored batches of {dataset.batch_size}, cut into {options.partitions} "
+        f"partitions, make {order.batches} batches of {options.batch_size} an epoch for {ranks} ranks: lower "
+        "batch_size or the ranks, DataLoader workers or partitions"
+        + ("" if order.batches else ", or pass drop_last=False")
+    )
+
+
 def _read(dataset: BatchSource, order: EpochOrder, batches: Iterable[int], prefetch: int) -> Iterator[Batch]:
-    """Read and cut output batches. The groups the current output batch takes rows from are held,
-    and whole groups more are read ahead until `prefetch` stored batches are, in a thread pool
-    (up to one thread per core): reading, checksums and zstd release the GIL, so they overlap one
-    another and the caller's step."""
+    """Read and cut output batches. The groups output batches take rows from are held from the
+    first batch that needs one to the last, and groups needed later are read ahead until
+    `prefetch` stored batches are, in a thread pool (up to one thread per core): reading,
+    checksums and zstd release the GIL, so they overlap one another and the caller's step."""
     wanted = list(batches)
+    seen: set[int] = set()
+    for i, batch in enumerate(wanted):
+        if batch in seen:  # asked for again (a last round filled from the first batches): read again
+            yield from _read(dataset, order, wanted[:i], prefetch)
+            yield from _read(dataset, order, wanted[i:], prefetch)
+            return
+        seen.add(batch)
     if not wanted:
         return
     # one thread per core for local reads (they need a core each); from an object store, one per
@@ -415,22 +287,30 @@ def _read(dataset: BatchSource, order: EpochOrder, batches: Iterable[int], prefe
     pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="batchctl-read")
     try:
         reads = _GroupReads(dataset, order, pool, set(wanted))
-        held: deque[_Group] = deque()  # in the order they are needed
-        upcoming = _group_visits(order, wanted)
-        for batch in wanted:
-            groups = order.groups_of(batch)
-            needs = len(groups)
-            while held and held[0].group != groups[0]:
-                held.popleft()  # groups before this batch's first are done with
-            while len(held) < needs:
-                held.append(reads.start(next(upcoming)))
-            ahead = sum(len(g.reads) for g in list(held)[needs:])
-            for group in upcoming if ahead < prefetch else ():
-                held.append(reads.start(group))
-                ahead += len(held[-1].reads)
-                if ahead >= prefetch:
-                    break
-            yield reads.cut(batch, {g.group: g for g in list(held)[:needs]})
+        needs = [order.groups_of(batch) for batch in wanted]
+        first_need: dict[int, int] = {}
+        last_need: dict[int, int] = {}
+        for i, keys in enumerate(needs):
+            for key in keys:
+                first_need.setdefault(key, i)
+                last_need[key] = i
+        upcoming = list(first_need)  # in need order
+        held: dict[int, _Group] = {}
+        started = 0
+        for i, batch in enumerate(wanted):
+            while any(key not in held for key in needs[i]):
+                held[upcoming[started]] = reads.start(upcoming[started])
+                started += 1
+            ahead = sum(len(group.reads) for key, group in held.items() if first_need[key] > i)
+            while ahead < prefetch and started < len(upcoming):
+                held[upcoming[started]] = reads.start(upcoming[started])
+                ahead += len(held[upcoming[started]].reads)
+                started += 1
+            cut = reads.cut(batch, {key: held[key] for key in needs[i]})
+            for key in needs[i]:
+                if last_need[key] == i:
+                    del held[key]  # no batch further on takes rows from it
+            yield cut
     finally:  # a pass left part way: the reads not begun are dropped, not waited for
         pool.shutdown(wait=True, cancel_futures=True)
 
@@ -477,20 +357,19 @@ class _GroupReads:
             ],
         )
 
-    def _targets(self, group: int) -> tuple[np.ndarray, np.ndarray]:
+    def _targets(self, key: int) -> tuple[np.ndarray, np.ndarray]:
         """For each row of the group's stored batches laid end to end: its output batch (-1 for
         a row no output batch takes here) and its place there. The output batches are made."""
-        order, size = self.order, self.order.options.batch_size
-        rows = order.group_rows(group)
-        batch, place = np.divmod(int(order.group_start[group]) + np.arange(len(rows)), size)
+        order = self.order
+        batch, place = order.targets(key)
         taken = np.isin(batch, list(self.wanted & set(np.unique(batch).tolist())))
-        target_batch = np.full(len(order.stored_of_group(group)) * order.stored_batch, -1, dtype=np.int64)
+        target_batch = np.full(len(order.stored_of_group(key)) * order.stored_batch, -1, dtype=np.int64)
         target_place = np.zeros_like(target_batch)
-        layout = order.in_group(rows)
+        layout = order.in_group(order.group_rows(key))
         target_batch[layout[taken]], target_place[layout[taken]] = batch[taken], place[taken]
         for j in np.unique(batch[taken]).tolist():
             if j not in self.outputs:
-                length = min(size, order.num_samples - j * size)
+                length = order.length(j)
                 self.outputs[j] = {
                     name: np.empty((length, *shape), dtype) for name, (shape, dtype) in self.numeric.items()
                 }
@@ -548,13 +427,3 @@ class _GroupReads:
             placed = [found[self.order.in_group(rows)] for found, (_, rows) in zip(sources, parts, strict=True)]
             out[SOURCE] = np.concatenate(placed) if len(placed) > 1 else placed[0]
         return {name: out[name] for name in self.dataset.fields}
-
-
-def _group_visits(order: EpochOrder, batches: list[int]) -> Iterator[int]:
-    """The groups the output batches need, in need order, each once per run of batches needing it."""
-    last = None
-    for batch in batches:
-        for group in order.groups_of(batch):
-            if group != last:
-                yield group
-                last = group

@@ -228,14 +228,18 @@ class Dataset:
         drop_last: bool = True,
         prefetch: int | None = None,
         fields: Sequence[str] | None = None,
+        partitions: int | None = None,
     ) -> Loader:
         """Batches for training: any `batch_size` (default: the stored one), fresh batches every
-        epoch (`mix` stored batches' rows permuted together), one order for any number of ranks,
-        and a resume state (`state_dict`) that continues exactly, on this or another world size.
-        `prefetch` stored batches are read ahead (default: one group of `mix`). `fields`: only
-        these arrays are read (nothing of the others); the order and resume state are the same
-        whatever fields are read. See `Loader`."""
-        return loader_of(self, batch_size, shuffle, seed, mix, rank, world_size, drop_last, prefetch, fields)
+        epoch (`mix` stored batches' rows permuted together), each stored batch read by one rank
+        only, and a resume state (`state_dict`) that continues exactly, on this or another world
+        size dividing `partitions` (default: `world_size`; say 12 to resume on 1, 2, 3, 4, 6 or
+        12 ranks). `prefetch` stored batches are read ahead (default: one group of `mix`).
+        `fields`: only these arrays are read (nothing of the others); the order and resume state
+        are the same whatever fields are read. See `Loader` and `read/order.py`."""
+        return loader_of(
+            self, batch_size, shuffle, seed, mix, rank, world_size, drop_last, prefetch, fields, partitions
+        )
 
     def subset(
         self,

@@ -126,9 +126,12 @@ class Subset:
         drop_last: bool = True,
         prefetch: int | None = None,
         fields: Sequence[str] | None = None,
+        partitions: int | None = None,
     ) -> Loader:
         """As `Dataset.loader`, over the subset's rows."""
-        return loader_of(self, batch_size, shuffle, seed, mix, rank, world_size, drop_last, prefetch, fields)
+        return loader_of(
+            self, batch_size, shuffle, seed, mix, rank, world_size, drop_last, prefetch, fields, partitions
+        )
 
 
 def loader_of(
@@ -142,11 +145,12 @@ def loader_of(
     drop_last: bool,
     prefetch: int | None,
     fields: Sequence[str] | None,
+    partitions: int | None = None,
 ) -> Loader:
     """The loader of a dataset or a subset (`Dataset.loader`, `Subset.loader`): over its rows, read
     for `fields` only when given, refused when its cache cannot hold what the loader reads ahead."""
     source = base if fields is None else FieldsOf(base, fields)
-    loader = Loader(source, batch_size, shuffle, seed, mix, rank, world_size, drop_last, prefetch)
+    loader = Loader(source, batch_size, shuffle, seed, mix, rank, world_size, drop_last, prefetch, partitions)
     base.check_cache_holds(loader.prefetch)
     return loader
 

@@ -191,6 +191,7 @@ class ChunkReader:
 
     def _read_rows(self, chunk: int, rows: list[np.ndarray]) -> None:
         shard, position = divmod(chunk, self.per_shard)
+        where = f"{self.arr.name} shard {shard}, batch {chunk}"
         held = self._shard(shard)  # kept while this read uses it: the file closes with the last holder
         file, mapped, index = held.file, held.mapped, held.index
         offset, nbytes = (int(v) for v in index[position])
@@ -206,19 +207,19 @@ class ChunkReader:
                 part = buffers[start : start + _IOV_MAX]
                 want = sum(b.nbytes for b in part)
                 if os.preadv(file.fileno(), part, at) != want:
-                    raise FormatError(f"shard {shard}, chunk {position}: the shard file is truncated")
+                    raise FormatError(f"{where}: the shard file is truncated")
                 at += want
             crc = 0
             for row in rows:
                 crc = crc32c(row, crc)
             if crc != int.from_bytes(stored, "little"):
-                raise FormatError(f"shard {shard}, chunk {position}: the chunk checksum does not match")
+                raise FormatError(f"{where}: the chunk checksum does not match")
             return
         if len(rows) == 1:
-            self._decode(shard, position, mapped, offset, nbytes, rows[0])
+            self._decode(where, mapped, offset, nbytes, rows[0])
             return
         whole = self._scratch(size)
-        self._decode(shard, position, mapped, offset, nbytes, whole)
+        self._decode(where, mapped, offset, nbytes, whole)
         spread(whole, rows)
 
     def _scratch(self, size: int) -> np.ndarray:
@@ -228,9 +229,9 @@ class ChunkReader:
             scratch = self._local.scratch = np.empty(size, np.uint8)
         return scratch
 
-    def _decode(self, shard: int, position: int, mapped: mmap.mmap, offset: int, nbytes: int, out: np.ndarray) -> None:
+    def _decode(self, where: str, mapped: mmap.mmap, offset: int, nbytes: int, out: np.ndarray) -> None:
         # compressed chunks are decoded straight from the mapping (measured faster than pread here)
-        decode_chunk(self.inner, memoryview(mapped)[offset : offset + nbytes], out, f"shard {shard}, chunk {position}")
+        decode_chunk(self.inner, memoryview(mapped)[offset : offset + nbytes], out, where)
 
 
 class _OpenShard:
