@@ -13,7 +13,7 @@ import os
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from multiprocessing.sharedctypes import RawValue
+from multiprocessing.sharedctypes import Array, RawValue
 from typing import Any
 
 import numpy as np
@@ -140,6 +140,11 @@ class IterableBatches(IterableDataset[dict[str, Any]]):
         self._loader()  # options checked here, not first in a DataLoader worker
         self._epoch: Any = RawValue("q", 0)  # shared with DataLoader workers (inherited, or passed as they start)
         self._workers_said: Any = RawValue("q", 0)  # the partitions the workers' first pass fixed (0: none yet)
+        # the DataLoader pass (see `_pass_key`) whose first worker to finish moved the epoch on, and from which:
+        # a worker of that same pass starting later still takes its share of that epoch
+        self._advanced: Any = Array("q", [-1, -1, -1])
+        self._pass_key: tuple[int, int] | None = None
+        self._passes = 0  # passes begun in this process
         self._pass: _Pass | None = None
         self._workers: int | None = None  # as a loaded state says; checked against the DataLoader's
 
@@ -161,6 +166,7 @@ class IterableBatches(IterableDataset[dict[str, Any]]):
         if not pickled_for_a_child():  # a copy, not a worker being started: its own epoch
             state["_epoch"] = RawValue("q", self.epoch)
             state["_workers_said"] = RawValue("q", self._workers_said.value)
+            state["_advanced"] = Array("q", [-1, -1, -1])
         return state
 
     @property
@@ -185,13 +191,29 @@ class IterableBatches(IterableDataset[dict[str, Any]]):
     def _current(self) -> _Pass:
         """The pass this process is in or will take up: its own (running, left part way, loaded)
         unless the shared epoch has been set since, else the shared epoch's from the start."""
-        epoch = self.epoch
+        epoch = self._epoch_of_this_pass()
         if self._pass is None or self._pass.seen != epoch:
             self._pass = _Pass(epoch, seen=epoch)
         return self._pass
 
     def _rank_steps(self, current: _Pass) -> Sequence[int]:
         return self._loader().batches(current.start, current.epoch)
+
+    def _epoch_of_this_pass(self) -> int:
+        """The shared epoch, or the one a DataLoader worker of this same pass moved it on from
+        (it handed out its share before this worker began: workers start when they are scheduled)."""
+        with self._advanced.get_lock():
+            if self._pass_key is not None and tuple(self._advanced[:2]) == self._pass_key:
+                return int(self._advanced[2])
+            return self.epoch
+
+    def _begin_pass(self) -> None:
+        """Name this DataLoader pass as all its workers can: by the seed the DataLoader drew for
+        it (new for each pass of workers made per pass) and the passes this worker has begun
+        (persistent workers keep their seed and begin each pass once)."""
+        info = get_worker_info()
+        self._passes += 1
+        self._pass_key = None if info is None else ((info.seed - info.id) % 2**62, self._passes)
 
     @staticmethod
     def _worker() -> tuple[int, int]:
@@ -206,6 +228,7 @@ class IterableBatches(IterableDataset[dict[str, Any]]):
             raise ResumeMismatchError(
                 f"the state was saved with {self._workers} DataLoader workers, this DataLoader has {workers}"
             )
+        self._begin_pass()
         if self._partitions is None:  # fixed by the first pass: one share per rank x worker
             self._partitions = self._workers_said.value = self.world_size * workers
         self._loader().with_partitions(self._partitions, workers)
@@ -224,7 +247,11 @@ class IterableBatches(IterableDataset[dict[str, Any]]):
 
     def _next_epoch(self, current: _Pass) -> None:
         """This process's share of the epoch is handed out: its state is now the next epoch's start."""
-        self._epoch.value = current.epoch + 1
+        with self._advanced.get_lock():
+            if self.epoch == current.epoch:  # the first of this pass's workers to finish
+                self._epoch.value = current.epoch + 1
+                if self._pass_key is not None:
+                    self._advanced[:] = [*self._pass_key, current.epoch]
         self._pass, self._workers = _Pass(current.epoch + 1, seen=current.epoch + 1), None
 
     def state_dict(self) -> dict[str, Any]:

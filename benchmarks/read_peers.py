@@ -3,6 +3,7 @@ through a torch DataLoader, LitData's StreamingDataset + StreamingDataLoader on 
 output of the same arrays, or torchvision's ImageFolder + Resize/CenterCrop over the photos.
 
     python read_peers.py batchctl DATASET WORKERS BATCH
+    python read_peers.py batchctl-augment DATASET WORKERS BATCH
     python read_peers.py litdata-optimize DATASET OUT WORKERS
     python read_peers.py litdata OUT WORKERS BATCH
     python read_peers.py litdata-remote URL CACHE BATCH
@@ -36,6 +37,33 @@ def run_batchctl(path: str, workers: int, batch: int) -> float:
     from batchctl.torch import IterableBatches
 
     stream = IterableBatches(path, batch_size=batch, shuffle=True, mix=16)
+    kept = workers > 0
+    return timed_epochs(DataLoader(stream, batch_size=None, num_workers=workers, persistent_workers=kept))
+
+
+def run_batchctl_augment(path: str, workers: int, batch: int) -> float:
+    """As `run_batchctl`, each batch given a CPU augmentation in the workers: a random 192x192
+    crop and a random horizontal flip per image, in NumPy."""
+    from torch.utils.data import DataLoader
+
+    from batchctl.torch import IterableBatches
+
+    class Augmented(IterableBatches):
+        def __iter__(self) -> Iterator[dict[str, Any]]:
+            import numpy as np
+            import torch
+
+            rng = np.random.default_rng()
+            for got in super().__iter__():
+                images = got["image"].numpy()
+                out = np.empty((len(images), 192, 192, images.shape[3]), images.dtype)
+                for k, image in enumerate(images):
+                    top, left = rng.integers(0, image.shape[0] - 191), rng.integers(0, image.shape[1] - 191)
+                    crop = image[top : top + 192, left : left + 192]
+                    out[k] = crop[:, ::-1] if rng.random() < 0.5 else crop
+                yield {**got, "image": torch.from_numpy(out)}
+
+    stream = Augmented(path, batch_size=batch, shuffle=True, mix=16)
     kept = workers > 0
     return timed_epochs(DataLoader(stream, batch_size=None, num_workers=workers, persistent_workers=kept))
 
@@ -135,5 +163,10 @@ if __name__ == "__main__":
     if mode == "litdata-remote":
         print("RATE", run_litdata_remote(args[0], args[1], int(args[2])), flush=True)
         sys.exit(0)
-    run = {"batchctl": run_batchctl, "litdata": run_litdata, "torchvision": run_torchvision}[mode]
+    run = {
+        "batchctl": run_batchctl,
+        "batchctl-augment": run_batchctl_augment,
+        "litdata": run_litdata,
+        "torchvision": run_torchvision,
+    }[mode]
     print("RATE", run(args[0], int(args[1]), int(args[2])), flush=True)

@@ -586,6 +586,7 @@ SECTIONS = [
     "big_npy",
     "big_audio",
     "read",
+    "read_once",
     "remote",
 ]
 
@@ -651,6 +652,10 @@ def main() -> None:
             from read import bench_read
 
             bench_read(root, results, lambda src, out, *extra: batchctl_cmd(src, out, CORES, *extra))
+        if "read_once" in todo:
+            from read_once import bench_read_once
+
+            bench_read_once(root, results, lambda src, out, *extra: batchctl_cmd(src, out, CORES, *extra))
         if "remote" in todo:
             from remote import bench_remote
 

@@ -12,6 +12,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -427,6 +428,33 @@ def test_torch_epochs_advance_with_persistent_workers(numbered: Path) -> None:
     ]
     order = epoch_ids(batchctl.open(numbered).loader(batch_size=10, seed=2, partitions=4))  # 2 ranks x 2 workers
     assert [ranks[j % 2][j // 2] for j in range(2 * len(ranks[0]))] == order
+
+
+def _late_start(worker: int) -> None:
+    time.sleep(0.4 * worker)  # worker 0 hands out its whole share before the last one begins
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_dataloader_worker_that_begins_late_still_takes_its_share_of_the_epoch(
+    numbered: Path, persistent: bool
+) -> None:
+    """Workers begin when they are scheduled: one that finished its share (and moved the shared
+    epoch on) before a sibling began must not send that sibling into the next epoch."""
+    pytest.importorskip("torch")
+    from torch.utils.data import DataLoader
+
+    from batchctl.torch import IterableBatches
+
+    reference = batchctl.open(numbered).loader(batch_size=40, mix=1, seed=4, partitions=4)  # a step per worker
+    epochs = [sorted(n for b in epoch_ids(reference) for n in b) for _ in range(2)]
+    stream = IterableBatches(numbered, batch_size=40, mix=1, seed=4)
+    loader = DataLoader(
+        stream, batch_size=None, num_workers=4, worker_init_fn=_late_start, persistent_workers=persistent
+    )
+    for epoch in range(2):
+        got = [ids(b) for b in loader]
+        assert sorted(n for b in got for n in b) == epochs[epoch]
+        assert stream.epoch == epoch + 1
 
 
 DDP_RANK = """

@@ -1,0 +1,103 @@
+"""Each byte read once per node (issue 44), on 2,560 class-sorted photos stored raw (40 stored
+batches of 64, 224x224x3): bytes read in one epoch against the stored bytes, counted by the
+kernel (`rchar` of /proc/PID/io over every rank and DataLoader worker; tests/ranks.py runs the
+ranks as processes with torchrun's environment) for (ranks, workers) = (1,0), (1,2), (4,0),
+(4,2), (8,4); `IterableBatches` with 2 DataLoader workers against none, bare and with a CPU
+augmentation (benchmarks/read_peers.py); and one loader (world 1, no workers) against np.load
+of one .npy per stored batch followed by crc32c of its bytes (the same bytes read and checked,
+in a shuffled batch order)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import batchctl
+from batchctl.store.crc import crc32c
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # the tests' ranks runner
+from tests.ranks import run_ranks, stored_bytes  # noqa: E402
+
+TOPOLOGIES = ((1, 0), (1, 2), (4, 0), (4, 2), (8, 4))
+
+
+def bench_read_once(root: Path, results: dict[str, Any], build_cmd: Callable[..., list[str]]) -> None:
+    from read import make_photos
+
+    src, originals = root / "once-images", root / "once-photos"
+    make_photos(originals, src, 320, 8)  # 2,560 images
+    out = root / "once.zarr"
+    subprocess.run(build_cmd(src, out, "--batch-size", "64", "--sorted", "--compression", "none"), check=True)
+    stored = stored_bytes(out)
+    figures: dict[str, Any] = {"samples": batchctl.open(out).num_samples, "stored_bytes": stored}
+    options = {"batch_size": 64, "mix": 16, "seed": 0}
+    for world, workers in TOPOLOGIES:
+        start = time.perf_counter()
+        ranks = run_ranks(out, world, workers, options, timeout=900)
+        figures[f"ranks_{world}_workers_{workers}"] = {
+            "read_vs_stored": round(sum(r["read"] for r in ranks) / stored, 3),
+            "rows": sum(len(r["sources"]) for r in ranks),
+            "distinct_rows": len({s for r in ranks for s in r["sources"]}),
+            "seconds": round(time.perf_counter() - start, 1),
+        }
+    figures.update(_workers_speed(out))
+    figures.update(_against_np_load_crc(root, out))
+    results["read_once"] = figures
+
+
+def _workers_speed(dataset: Path) -> dict[str, Any]:
+    script = str(HERE / "read_peers.py")
+    rates: dict[str, Any] = {}
+    for mode in ("batchctl", "batchctl-augment"):
+        for workers in (0, 2):
+            done = subprocess.run(
+                [sys.executable, script, mode, str(dataset), str(workers), "64"], capture_output=True, text=True
+            )
+            line = [w for w in done.stdout.split("\n") if w.startswith("RATE")]
+            rates[f"{mode}_{workers}_workers_images_s"] = round(float(line[0].split()[1]), 1) if line else None
+            if not line:
+                print(f"[info] {mode} with {workers} workers failed: {done.stderr.strip()[-500:]}")
+        bare, two = rates[f"{mode}_0_workers_images_s"], rates[f"{mode}_2_workers_images_s"]
+        rates[f"{mode}_2_workers_vs_0"] = round(two / bare, 2) if bare and two else None
+    return rates
+
+
+def _against_np_load_crc(root: Path, dataset: Path) -> dict[str, Any]:
+    """One loader (world 1, no workers) at mix 16 and 1 against np.load + crc32c per stored batch."""
+    ds = batchctl.open(dataset)
+    folder = root / "once-npy"
+    folder.mkdir(exist_ok=True)
+    files = []
+    for i in np.random.default_rng(0).permutation(len(ds)).tolist():
+        files.append(folder / f"{i}.npy")
+        np.save(files[-1], ds.read_field("image", i))
+
+    def plain() -> None:
+        for f in files:
+            crc32c(np.load(f))
+
+    def best(fn: Callable[[], Any], repeat: int = 3) -> float:
+        os.sync()
+        times = []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    baseline = best(plain)
+    figures: dict[str, Any] = {"np_load_crc_images_s": round(ds.num_samples / baseline, 1)}
+    for mix in (16, 1):
+        seconds = best(lambda mix=mix: [b["image"] for b in ds.loader(mix=mix, fields=["image", "label"])])
+        rows = ds.num_samples // ds.batch_size * ds.batch_size
+        figures[f"loader_mix_{mix}_images_s"] = round(rows / seconds, 1)
+        figures[f"loader_mix_{mix}_vs_np_load_crc"] = round((rows / seconds) / (ds.num_samples / baseline), 3)
+    return figures
