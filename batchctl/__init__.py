@@ -16,6 +16,7 @@ _EXPORTS = {
     "BuildOptions": "batchctl.build",
     "open": "batchctl.read.reader",
     "Dataset": "batchctl.read.reader",
+    "mix": "batchctl.read.mixture",
     "BuildReport": "batchctl.report",
     "BatchctlError": "batchctl.errors",
     "BuildFailed": "batchctl.errors",
@@ -42,6 +43,7 @@ __all__ = [
     "ResumeMismatchError",
     "UsageError",
     "build",
+    "mix",
     "open",
 ]
 
@@ -58,6 +60,7 @@ if TYPE_CHECKING:
         ResumeMismatchError,
         UsageError,
     )
+    from batchctl.read.mixture import mix
     from batchctl.read.reader import Dataset, open
     from batchctl.report import BuildReport
 

@@ -1,0 +1,444 @@
+"""Mixtures: several datasets (or subsets) read as one stream of batches, with weights.
+
+Every batch holds a fixed number of rows of each source: the batch size apportioned to the weights
+by largest remainders (`counts`), so the proportions are exact in every batch (0.7/0.3 of 64:
+45 and 19 rows). Each source is an endless stream of its own rows: its epochs one after another,
+each in a fresh order (`read/order.py`, seeded by the mixture's seed and the source's name), so a
+source smaller than its share repeats in a new order and a larger one is cut, the next mixture
+epoch going on where this one stopped. A mixture epoch is `epoch_size` rows (default: the
+largest-weighted source used about once).
+
+Read once, as the loader: each source's epochs are dealt into the mixture's `partitions`, and
+mixture batch j takes its rows from partition j % partitions of every source, so consumers that
+divide the partitions read disjoint stored batches. The resume state is the position in the
+mixture epoch and, per source and partition, how many of its stream's rows came before (an
+anchor): a state loaded with other weights continues from the next batch with the new counts,
+repeating nothing already given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from batchctl.errors import ResumeMismatchError, UsageError
+from batchctl.read.loader import Batch, gather
+from batchctl.read.order import EpochOrder, OrderOptions, family_problem, rank_batches
+from batchctl.read.views import FieldsOf, Readable, Subset
+
+STATE_FORMAT = "batchctl.mix/1"
+DATASET = "dataset"  # the field naming each row's source (its index in the mixture's sources)
+
+
+def counts(weights: Sequence[float], batch_size: int) -> list[int]:
+    """Rows of each source in every batch: `batch_size` apportioned to `weights` by largest remainders."""
+    total = float(sum(weights))
+    quotas = [w / total * batch_size for w in weights]
+    got = [int(q) for q in quotas]
+    by_remainder = sorted(range(len(weights)), key=lambda k: (-(quotas[k] - got[k]), k))
+    for k in by_remainder[: batch_size - sum(got)]:
+        got[k] += 1
+    return got
+
+
+@dataclass(frozen=True)
+class MixOptions:
+    batch_size: int
+    shuffle: bool
+    seed: int
+    mix: int
+    partitions: int
+    epoch_size: int | None  # rows of a mixture epoch; None: the largest-weighted source used once
+
+
+class _Stream:
+    """One source's rows as an endless stream per partition: its epochs (cycles) one after another."""
+
+    def __init__(self, name: str, dataset: Readable, options: MixOptions) -> None:
+        self.name, self.dataset = name, dataset
+        seed = int.from_bytes(hashlib.sha256(f"{options.seed}\0{name}".encode()).digest()[:4], "big")
+        self.order_options = OrderOptions(1, options.shuffle, seed, options.mix, False, options.partitions)
+        self._shares: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
+        self._lengths: dict[int, list[int]] = {}  # partition -> each cycle's share length, as far as known
+
+    def order(self, cycle: int) -> EpochOrder:
+        ds = self.dataset
+        return EpochOrder(ds.num_samples, ds.batch_size, self.order_options, cycle, ds.selected, ds.stored_rows)
+
+    def share(self, cycle: int, partition: int) -> np.ndarray:
+        """Partition `partition`'s rows of cycle `cycle`, in order (global row indices)."""
+        key = (cycle, partition)
+        rows = self._shares.get(key)
+        if rows is None:
+            order = self.order(cycle)
+            groups = range(int(order.first_group[partition]), int(order.first_group[partition + 1]))
+            rows = np.concatenate([order.group_rows(g) for g in groups] or [np.zeros(0, np.int64)])
+            self._shares[key] = rows
+            if len(self._shares) > 16:
+                self._shares.popitem(last=False)
+        return rows
+
+    def pieces(self, partition: int, start: int, stop: int) -> list[tuple[int, np.ndarray]]:
+        """The rows at stream offsets [start, stop) of a partition, as (cycle, rows) pieces."""
+        lengths = self._lengths.setdefault(partition, [])
+        cycle, at, out = 0, 0, []
+        while at < stop:
+            if cycle == len(lengths):
+                lengths.append(len(self.share(cycle, partition)))
+                if not lengths[-1]:
+                    raise UsageError(
+                        f"source {self.name!r} has no rows for partition {partition}: use fewer partitions"
+                    )
+            end = at + lengths[cycle]
+            if end > start:
+                rows = self.share(cycle, partition)[max(start - at, 0) : stop - at]
+                out.append((cycle, rows))
+            at, cycle = end, cycle + 1
+        return out
+
+
+class MixedLoader:
+    """Batches of a mixture for one rank, epoch after epoch, with a resume state: `batchctl.mix`."""
+
+    def __init__(
+        self,
+        sources: Mapping[str, Readable],
+        weights: Mapping[str, float],
+        batch_size: int,
+        epoch_size: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        mix: int = 16,
+        rank: int = 0,
+        world_size: int = 1,
+        prefetch: int | None = None,
+        fields: Sequence[str] | None = None,
+        partitions: int | None = None,
+    ) -> None:
+        self.names = list(sources)
+        if not self.names or set(weights) != set(self.names):
+            raise UsageError(f"Expected a weight for each of {self.names}, got {dict(weights)!r} instead.")
+        if any(not isinstance(w, (int, float)) or isinstance(w, bool) or not w > 0 for w in weights.values()):
+            raise UsageError(f"Expected weights > 0, got {dict(weights)!r} instead.")
+        checked = OrderOptions(
+            batch_size, bool(shuffle), seed, mix, True, world_size if partitions is None else partitions
+        )
+        checked = checked.checked()
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise UsageError(f"Expected world_size to be a positive int, got {world_size!r} instead.")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise UsageError(f"Expected 0 <= rank < world_size, got rank {rank!r}, world_size {world_size} instead.")
+        if problem := family_problem(checked.partitions, world_size):
+            raise UsageError(problem[0].upper() + problem[1:])
+        if epoch_size is not None and (
+            isinstance(epoch_size, bool) or not isinstance(epoch_size, int) or epoch_size < 1
+        ):
+            raise UsageError(f"Expected epoch_size to be a number of rows >= 1, got {epoch_size!r} instead.")
+        self.rank, self.world_size, self.partitions_given = rank, world_size, partitions is not None
+        self.options = MixOptions(
+            checked.batch_size, checked.shuffle, checked.seed, checked.mix, checked.partitions, epoch_size
+        )
+        self.batch_size, self.shuffle, self.seed, self.mix = batch_size, checked.shuffle, checked.seed, checked.mix
+        self.sources = {name: _fields_of(name, ds, fields) for name, ds in sources.items()}
+        self.fields = _shared_fields(self.sources)
+        self.prefetch = max(self.mix if self.shuffle else 1, 2) if prefetch is None else prefetch
+        self.weights = {name: float(weights[name]) for name in self.names}
+        self.counts = counts([self.weights[n] for n in self.names], self.batch_size)
+        if 0 in self.counts:
+            none = self.names[self.counts.index(0)]
+            raise UsageError(
+                f"source {none!r} gets no row of a batch of {self.batch_size} at weight {self.weights[none]}: "
+                "raise its weight or batch_size"
+            )
+        self._streams = self._make_streams()
+        self.epoch, self.position = 0, 0
+        self._reset_anchors()
+        self.steps = self._steps()
+
+    def _make_streams(self) -> list[_Stream]:
+        """Each source's stream; one with fewer stored batches than partitions is refused (each
+        partition reads stored batches of its own)."""
+        streams = [_Stream(name, self.sources[name], self.options) for name in self.names]
+        for stream in streams:
+            stored = len(stream.order(0).visit)
+            if stored < self.options.partitions:
+                raise UsageError(
+                    f"source {stream.name!r} has {stored} stored batches, fewer than the {self.options.partitions} "
+                    "partitions (one per rank unless partitions= says), each reading stored batches of its own: use "
+                    "fewer ranks or partitions"
+                )
+        return streams
+
+    # --- the order --------------------------------------------------------------------------
+
+    def _reset_anchors(self) -> None:
+        """Each source's stream offset per partition, and the step of the epoch it holds at."""
+        self.anchor_steps = [0] * self.options.partitions
+        self.offsets = {name: [0] * self.options.partitions for name in self.names}
+
+    def _steps(self) -> int:
+        """Batches of each partition a mixture epoch has."""
+        partitions, size = self.options.partitions, self.batch_size
+        if self.options.epoch_size is not None:
+            steps = self.options.epoch_size // size // partitions
+        else:
+            k = max(range(len(self.names)), key=lambda i: (self.weights[self.names[i]], -i))
+            steps = self.sources[self.names[k]].num_samples // partitions // self.counts[k]
+        if steps < 1:
+            raise UsageError(
+                f"an epoch of {self.options.epoch_size or 'one pass of the largest-weighted source'} rows makes no "
+                f"batch of {size} for each of {partitions} partitions: raise epoch_size or lower batch_size"
+            )
+        return steps
+
+    @property
+    def total(self) -> int:
+        """Batches of a mixture epoch, all ranks together."""
+        return self.steps * self.options.partitions
+
+    def _spans(self, batch: int) -> list[tuple[int, int, int]]:
+        """Global batch `batch` of the current epoch as (partition, start, stop) stream offsets per source."""
+        partitions = self.options.partitions
+        p, t = batch % partitions, batch // partitions
+        spans = []
+        for name, count in zip(self.names, self.counts, strict=True):
+            start = self.offsets[name][p] + (t - self.anchor_steps[p]) * count
+            spans.append((p, start, start + count))
+        return spans
+
+    def batches(self, position: int | None = None) -> Sequence[int]:
+        position = self.position if position is None else position
+        return rank_batches(self.total, position, self.rank, self.world_size, True)
+
+    def __len__(self) -> int:
+        return len(self.batches())
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start mixture epoch `epoch` from its beginning (the streams' places follow from the
+        epochs before it at the current weights), unless it is the one this loader is in."""
+        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
+            raise UsageError(f"Expected epoch to be an int >= 0, got {epoch!r} instead.")
+        if epoch != self.epoch:
+            self.epoch, self.position = int(epoch), 0
+            self.anchor_steps = [0] * self.options.partitions
+            self.offsets = {
+                name: [int(epoch) * self.steps * count] * self.options.partitions
+                for name, count in zip(self.names, self.counts, strict=True)
+            }
+
+    def _next_epoch(self) -> None:
+        for name, count in zip(self.names, self.counts, strict=True):
+            self.offsets[name] = [
+                offset + (self.steps - anchor) * count
+                for offset, anchor in zip(self.offsets[name], self.anchor_steps, strict=True)
+            ]
+        self.anchor_steps = [0] * self.options.partitions
+        self.epoch, self.position = self.epoch + 1, 0
+
+    # --- reading ----------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Batch]:
+        steps = list(self.batches())
+        for step, batch in enumerate(self._read(steps), 1):
+            self.position += self.world_size  # counted before the caller has it
+            if step == len(steps):
+                self._next_epoch()
+            yield batch
+        if not steps:
+            self._next_epoch()
+
+    def _read(self, wanted: list[int]) -> Iterator[Batch]:
+        plans = [[self._streams[k].pieces(*span) for k, span in enumerate(self._spans(j))] for j in wanted]
+        threads = max(1, min(self.prefetch, len(os.sched_getaffinity(0))))
+        pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="batchctl-mix")
+        readers = [_StoredBatches(s.dataset, pool) for s in self._streams]
+        try:
+            ahead = 0  # plans whose stored batches have been asked for
+            for i, plan in enumerate(plans):
+                while ahead <= i or (
+                    ahead < len(plans) and sum(r.pending() for r in readers) < self.prefetch * len(readers)
+                ):
+                    for reader, pieces in zip(readers, plans[ahead], strict=True):
+                        reader.want(pieces)
+                    ahead += 1
+                batch = self._cut(readers, plan)
+                for reader in readers:
+                    reader.release()  # stored batches no batch asked for still wants
+                yield batch
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def _cut(self, readers: list[_StoredBatches], plan: list[list[tuple[int, np.ndarray]]]) -> Batch:
+        parts: list[Batch] = []
+        for reader, pieces in zip(readers, plan, strict=True):
+            for _, rows in pieces:
+                parts.append(gather(reader.held(rows), rows, reader.dataset.batch_size))
+        out = {name: np.concatenate([part[name] for part in parts]) for name in self.fields}
+        out[DATASET] = np.repeat(np.arange(len(self.names), dtype=np.int16), self.counts)
+        return out
+
+    # --- resume -----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "format": STATE_FORMAT,
+            "sources": {name: _version(self.sources[name]) for name in self.names},
+            "options": dataclasses.asdict(self.options),
+            "counts": dict(zip(self.names, self.counts, strict=True)),
+            "epoch": self.epoch,
+            "position": self.position,
+            "anchor_steps": list(self.anchor_steps),
+            "offsets": {name: list(values) for name, values in self.offsets.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from `state` (saved on any world size dividing its partitions); saved with
+        other weights, the epoch goes on with this loader's counts from the next batch."""
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise ResumeMismatchError(f"not a batchctl mixture state (expected format {STATE_FORMAT!r})")
+        saved = state.get("sources")
+        if not isinstance(saved, dict) or list(saved) != self.names:
+            raise ResumeMismatchError(f"the state is of a mixture of {list(saved or {})}, this one of {self.names}")
+        for name in self.names:
+            if saved[name] != _version(self.sources[name]):
+                raise ResumeMismatchError(
+                    f"source {name!r} is another version than the state's ({self.sources[name].path} was rebuilt, or "
+                    "another subset): start the mixture over"
+                )
+        options = dict(state.get("options") or {})
+        partitions = options.get("partitions")
+        if not self.partitions_given and isinstance(partitions, int) and not isinstance(partitions, bool):
+            if problem := family_problem(partitions, self.world_size):
+                raise ResumeMismatchError(problem)
+            self.options = dataclasses.replace(self.options, partitions=partitions)
+            self._streams = self._make_streams()
+        for name, value in dataclasses.asdict(self.options).items():
+            if options.get(name) != value:
+                raise ResumeMismatchError(f"the state was saved with {name}={options.get(name)!r}, this has {value!r}")
+        self.steps = self._steps()
+        try:
+            epoch, position = int(state["epoch"]), int(state["position"])
+            anchors = [int(a) for a in state["anchor_steps"]]
+            offsets = {name: [int(v) for v in state["offsets"][name]] for name in self.names}
+            old = [int(state["counts"][name]) for name in self.names]
+        except (KeyError, TypeError, ValueError):
+            raise ResumeMismatchError("the mixture state is incomplete or damaged") from None
+        p_count = self.options.partitions
+        if not 0 <= position < max(self.total, 1) or epoch < 0 or len(anchors) != p_count:
+            raise ResumeMismatchError(f"the state's epoch {epoch} and position {position} are not of this mixture")
+        if any(len(v) != p_count or min(v) < 0 for v in offsets.values()):
+            raise ResumeMismatchError("the state's stream offsets are not of this mixture")
+        if old != self.counts:  # new weights: each partition's anchor moves to the batches already taken
+            done = [len(range(p, position, p_count)) for p in range(p_count)]
+            for name, count in zip(self.names, old, strict=True):
+                offsets[name] = [o + (d - a) * count for o, d, a in zip(offsets[name], done, anchors, strict=True)]
+            anchors = done
+        self.epoch, self.position, self.anchor_steps, self.offsets = epoch, position, anchors, offsets
+
+
+class _StoredBatches:
+    """A source's stored batches read ahead in threads and held while rows of them are still to come."""
+
+    def __init__(self, dataset: Readable, pool: ThreadPoolExecutor) -> None:
+        self.dataset, self.pool = dataset, pool
+        self.reads: OrderedDict[int, Future[Batch]] = OrderedDict()
+        self.uses: dict[int, int] = {}  # stored batch -> pieces wanting it, not yet cut
+
+    def want(self, pieces: list[tuple[int, np.ndarray]]) -> None:
+        for _, rows in pieces:
+            for stored in np.unique(rows // self.dataset.batch_size).tolist():
+                if stored not in self.reads:
+                    self.reads[stored] = self.pool.submit(self.dataset.__getitem__, stored)
+                self.uses[stored] = self.uses.get(stored, 0) + 1
+
+    def pending(self) -> int:
+        """Stored batches read or being read that a batch not yet cut wants."""
+        return len(self.reads)
+
+    def held(self, rows: np.ndarray) -> dict[int, Batch]:
+        """The stored batches holding `rows`; one no later piece wants is let go."""
+        found = {}
+        for stored in np.unique(rows // self.dataset.batch_size).tolist():
+            found[stored] = self.reads[stored].result()
+            self.uses[stored] -= 1
+        return found
+
+    def release(self) -> None:
+        for stored, left in list(self.uses.items()):
+            if left <= 0:
+                del self.uses[stored]
+                self.reads.pop(stored, None)
+
+
+def _fields_of(name: str, dataset: Readable, fields: Sequence[str] | None) -> Readable:
+    if isinstance(dataset, (str, os.PathLike)):
+        from batchctl.read.reader import open as open_dataset
+
+        dataset = open_dataset(dataset)
+    return dataset if fields is None else FieldsOf(dataset, fields)  # type: ignore[return-value]
+
+
+def _shared_fields(sources: Mapping[str, Readable]) -> list[str]:
+    """The fields every source has, each the same row shape and kind; any other is refused in one line."""
+    first_name, first = next(iter(sources.items()))
+    names = list(first.fields)
+    for name, source in sources.items():
+        if DATASET in source.fields:
+            raise UsageError(f"source {name!r} has a field {DATASET!r}, which a mixture adds: pick fields= without it")
+        if set(source.fields) != set(names):
+            odd = sorted(set(source.fields) ^ set(names))
+            raise UsageError(
+                f"sources {first_name!r} and {name!r} do not have the same fields ({', '.join(odd)}): pick fields= "
+                "they share"
+            )
+        for field in names:
+            (shape, dtype), (theirs, their_dtype) = first.fields[field], source.fields[field]
+            strings = dtype.kind in "TUO" and their_dtype.kind in "TUO"
+            if shape != theirs or (dtype != their_dtype and not strings):
+                raise UsageError(
+                    f"field {field!r} is {shape} {dtype} in {first_name!r} but {theirs} {their_dtype} in {name!r}: "
+                    "pick fields= without it, or build them alike"
+                )
+    return names
+
+
+def _version(dataset: Readable) -> dict[str, Any]:
+    version: dict[str, Any] = {"build_id": dataset.build_id, "num_samples": dataset.num_samples}
+    if dataset.selected is not None:
+        version["subset"] = hashlib.sha256(dataset.selected.astype("<i8").tobytes()).hexdigest()[:16]
+    return version
+
+
+def mix(
+    sources: Mapping[str, Readable | str | os.PathLike[str]],
+    weights: Mapping[str, float],
+    batch_size: int,
+    epoch_size: int | None = None,
+    shuffle: bool = True,
+    seed: int = 0,
+    mix: int = 16,
+    rank: int = 0,
+    world_size: int = 1,
+    prefetch: int | None = None,
+    fields: Sequence[str] | None = None,
+    partitions: int | None = None,
+) -> MixedLoader:
+    """A loader over several datasets (opened ones, subsets, or paths/URLs) at `weights`: every
+    batch holds `batch_size` apportioned to the weights (exact in every batch), a `dataset` field
+    saying each row's source (its index in `sources`), and the fields the sources share (or
+    `fields`). See `read/mixture.py` for epochs, repeats and resume."""
+    opened: dict[str, Any] = {name: source for name, source in sources.items()}
+    return MixedLoader(
+        opened, weights, batch_size, epoch_size, shuffle, seed, mix, rank, world_size, prefetch, fields, partitions
+    )
+
+
+__all__ = ["DATASET", "MixedLoader", "Subset", "counts", "mix"]
