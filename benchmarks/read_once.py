@@ -5,7 +5,9 @@ ranks as processes with torchrun's environment) for (ranks, workers) = (1,0), (1
 (4,2), (8,4); `IterableBatches` with 2 DataLoader workers against none, bare and with a CPU
 augmentation (benchmarks/read_peers.py); and one loader (world 1, no workers) against np.load
 of one .npy per stored batch followed by crc32c of its bytes (the same bytes read and checked,
-in a shuffled batch order)."""
+in a shuffled batch order). Then issue 45's figures: a 0.7/0.3 mixture of it and a second set
+against one loader over the first alone, and the bytes a 10% subset and `fields=["label"]` read
+against a full epoch's."""
 
 from __future__ import annotations
 
@@ -51,6 +53,58 @@ def bench_read_once(root: Path, results: dict[str, Any], build_cmd: Callable[...
     figures.update(_workers_speed(out))
     figures.update(_against_np_load_crc(root, out))
     results["read_once"] = figures
+    results["mixtures_and_views"] = _mixtures_and_views(root, out, build_cmd)
+
+
+def _mixtures_and_views(root: Path, first: Path, build_cmd: Callable[..., list[str]]) -> dict[str, Any]:
+    from read import make_photos
+
+    src, originals = root / "mix-images", root / "mix-photos"
+    make_photos(originals, src, 160, 8)  # 1,280 images
+    second = root / "second.zarr"
+    subprocess.run(build_cmd(src, second, "--batch-size", "64", "--compression", "none"), check=True)
+    a, b = batchctl.open(first), batchctl.open(second)
+
+    def rate(make: Callable[[], Any]) -> float:
+        best = 0.0
+        for _ in range(3):
+            loader = make()
+            start, rows = time.perf_counter(), 0
+            for batch in loader:
+                rows += len(batch["image"])
+            best = max(best, rows / (time.perf_counter() - start))
+        return best
+
+    fields = ["image", "label"]
+    alone = rate(lambda: a.loader(batch_size=64, mix=16, fields=fields))
+    mixed_loader = batchctl.mix({"a": a, "b": b}, {"a": 0.7, "b": 0.3}, batch_size=64, mix=16, fields=fields)
+    proportions = {tuple(np.bincount(batch["dataset"], minlength=2)) for batch in mixed_loader}
+    mixed = rate(lambda: batchctl.mix({"a": a, "b": b}, {"a": 0.7, "b": 0.3}, batch_size=64, mix=16, fields=fields))
+    full = _bytes_of(lambda: list(a.loader(batch_size=64)))
+    labels = [str(c) for c in a.classes or []]
+    tenth = a.subset(rows=np.arange(a.num_samples) % 10 == 0)  # rows spread over every stored batch
+    one_class = a.subset(labels=labels[:1])  # a sorted build: the class's stored batches only
+    return {
+        "alone_images_s": round(alone, 1),
+        "mixture_0.7_0.3_images_s": round(mixed, 1),
+        "mixture_vs_alone": round(mixed / alone, 3),
+        "mixture_rows_per_batch": sorted(list(map(int, p)) for p in proportions),
+        "subset_every_10th_row_bytes_vs_full": round(_bytes_of(lambda: list(tenth.loader(batch_size=64))) / full, 3),
+        "subset_one_class_of_10_bytes_vs_full": round(
+            _bytes_of(lambda: list(one_class.loader(batch_size=64))) / full, 3
+        ),
+        "fields_label_bytes_vs_full": round(
+            _bytes_of(lambda: list(a.loader(batch_size=64, fields=["label"]))) / full, 4
+        ),
+    }
+
+
+def _bytes_of(run: Callable[[], Any]) -> int:
+    from tests.ranks import bytes_read
+
+    before = bytes_read()
+    run()
+    return bytes_read() - before
 
 
 def _workers_speed(dataset: Path) -> dict[str, Any]:

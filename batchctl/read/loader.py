@@ -15,7 +15,7 @@ import dataclasses
 import hashlib
 import os
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol, cast
@@ -250,6 +250,34 @@ class Loader:
         return version
 
 
+def read_into(
+    dataset: BatchSource,
+    numeric: Mapping[str, tuple[tuple[int, ...], Any]],
+    stored: int,
+    targets: list[Batch | None],
+    place: list[int],
+    scratch: Callable[[str, tuple[int, ...], Any], np.ndarray],
+) -> Batch:
+    """Stored batch `stored` into its rows' places: row r into output batch targets[r] (None: no
+    batch here takes it) at place[r]. Big rows are read straight into them (into `scratch`, this
+    thread's buffer, for rows no batch takes: the checksum covers the whole chunk); small ones
+    (labels) are read whole and then placed. Returns the `source` rows, when `source` is read."""
+    into = {}
+    for name, (shape, dtype) in numeric.items():
+        if np.dtype(dtype).itemsize * int(np.prod(shape)) >= _ROW_BY_ROW:
+            spare = scratch(name, (len(targets), *shape), dtype)
+            into[name] = [
+                out[name][p] if out is not None else spare[r]
+                for r, (out, p) in enumerate(zip(targets, place, strict=True))
+            ]
+    whole = dataset.read_batch(stored, into, [name for name in dataset.fields if name not in into])
+    for name in numeric.keys() - into.keys():
+        for r, (out, p) in enumerate(zip(targets, place, strict=True)):
+            if out is not None:
+                out[name][p] = whole[name][r]
+    return {SOURCE: whole[SOURCE]} if SOURCE in whole else {}
+
+
 def _empty_epoch(dataset: BatchSource, options: OrderOptions, order: EpochOrder, ranks: int) -> str:
     """Why an epoch leaves a rank without a batch, and what to change."""
     if len(order.visit) < options.partitions:
@@ -376,25 +404,9 @@ class _GroupReads:
         return target_batch, target_place
 
     def _scatter(self, stored: int, batch: np.ndarray, place: np.ndarray) -> Batch:
-        """Stored batch `stored` into its rows' places (row r to output batch batch[r], place[r]):
-        big rows read straight into them, small ones (labels) read whole and then placed."""
-        taken = np.flatnonzero(batch >= 0)
-        outputs = {
-            name: [self.outputs[int(j)][name] if j >= 0 else None for j in batch.tolist()] for name in self.numeric
-        }
-        into = {}
-        for name, (shape, dtype) in self.numeric.items():
-            if np.dtype(dtype).itemsize * int(np.prod(shape)) >= _ROW_BY_ROW:
-                scratch = self._scratch(name, (len(batch), *shape), dtype)
-                into[name] = [
-                    out[p] if out is not None else scratch[r]
-                    for r, (out, p) in enumerate(zip(outputs[name], place.tolist(), strict=True))
-                ]
-        whole = self.dataset.read_batch(stored, into, [name for name in self.dataset.fields if name not in into])
-        for name in self.numeric.keys() - into.keys():
-            for r in taken.tolist():
-                cast(np.ndarray, outputs[name][r])[place[r]] = whole[name][r]
-        return {SOURCE: whole[SOURCE]} if SOURCE in whole else {}
+        """Stored batch `stored` into its rows' places (row r to output batch batch[r], place[r])."""
+        targets = [self.outputs[j] if j >= 0 else None for j in batch.tolist()]
+        return read_into(self.dataset, self.numeric, stored, targets, place.tolist(), self._scratch)
 
     def _scratch(self, name: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
         """This thread's buffer for the rows of a field no output batch here takes (reused)."""

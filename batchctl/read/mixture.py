@@ -18,9 +18,11 @@ repeating nothing already given.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import hashlib
 import os
+import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,9 +32,10 @@ from typing import Any
 import numpy as np
 
 from batchctl.errors import ResumeMismatchError, UsageError
-from batchctl.read.loader import Batch, gather
+from batchctl.read.loader import Batch, read_into
 from batchctl.read.order import EpochOrder, OrderOptions, family_problem, rank_batches
 from batchctl.read.views import FieldsOf, Readable, Subset
+from batchctl.store.metadata import SOURCE
 
 STATE_FORMAT = "batchctl.mix/1"
 DATASET = "dataset"  # the field naming each row's source (its index in the mixture's sources)
@@ -257,33 +260,12 @@ class MixedLoader:
 
     def _read(self, wanted: list[int]) -> Iterator[Batch]:
         plans = [[self._streams[k].pieces(*span) for k, span in enumerate(self._spans(j))] for j in wanted]
-        threads = max(1, min(self.prefetch, len(os.sched_getaffinity(0))))
-        pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="batchctl-mix")
-        readers = [_StoredBatches(s.dataset, pool) for s in self._streams]
+        reads = _MixReads([s.dataset for s in self._streams], self.fields, self.counts, plans, self.prefetch)
         try:
-            ahead = 0  # plans whose stored batches have been asked for
-            for i, plan in enumerate(plans):
-                while ahead <= i or (
-                    ahead < len(plans) and sum(r.pending() for r in readers) < self.prefetch * len(readers)
-                ):
-                    for reader, pieces in zip(readers, plans[ahead], strict=True):
-                        reader.want(pieces)
-                    ahead += 1
-                batch = self._cut(readers, plan)
-                for reader in readers:
-                    reader.release()  # stored batches no batch asked for still wants
-                yield batch
+            for i in range(len(plans)):
+                yield reads.cut(i)
         finally:
-            pool.shutdown(wait=True, cancel_futures=True)
-
-    def _cut(self, readers: list[_StoredBatches], plan: list[list[tuple[int, np.ndarray]]]) -> Batch:
-        parts: list[Batch] = []
-        for reader, pieces in zip(readers, plan, strict=True):
-            for _, rows in pieces:
-                parts.append(gather(reader.held(rows), rows, reader.dataset.batch_size))
-        out = {name: np.concatenate([part[name] for part in parts]) for name in self.fields}
-        out[DATASET] = np.repeat(np.arange(len(self.names), dtype=np.int16), self.counts)
-        return out
+            reads.close()
 
     # --- resume -----------------------------------------------------------------------------
 
@@ -344,38 +326,100 @@ class MixedLoader:
         self.epoch, self.position, self.anchor_steps, self.offsets = epoch, position, anchors, offsets
 
 
-class _StoredBatches:
-    """A source's stored batches read ahead in threads and held while rows of them are still to come."""
+class _MixReads:
+    """The stored batches a pass's batches take rows from, read in threads in the order they are
+    first needed (`prefetch` per source ahead), each straight into the places its rows go in
+    every batch of the pass that takes them (`loader.read_into`: no gather copy). A stored batch
+    is read once per pass of its source's stream (a cycle): the key is (source, cycle, stored)."""
 
-    def __init__(self, dataset: Readable, pool: ThreadPoolExecutor) -> None:
-        self.dataset, self.pool = dataset, pool
-        self.reads: OrderedDict[int, Future[Batch]] = OrderedDict()
-        self.uses: dict[int, int] = {}  # stored batch -> pieces wanting it, not yet cut
+    def __init__(
+        self,
+        sources: list[Readable],
+        fields: list[str],
+        counts: list[int],
+        plans: list[list[list[tuple[int, np.ndarray]]]],
+        prefetch: int,
+    ) -> None:
+        self.sources, self.fields, self.counts = sources, fields, counts
+        first = sources[0].fields
+        self.numeric = {name: first[name] for name in fields if name != SOURCE}
+        self.targets: dict[tuple[int, int, int], list[tuple[int, np.ndarray, np.ndarray]]] = {}
+        for i, plan in enumerate(plans):
+            at = 0
+            for k, pieces in enumerate(plan):
+                for cycle, rows in pieces:
+                    stored, local = np.divmod(rows, sources[k].batch_size)
+                    places = at + np.arange(len(rows))
+                    for s in np.unique(stored).tolist():
+                        mask = stored == s
+                        key = (k, cycle, s)
+                        self.targets.setdefault(key, []).append((i, places[mask], local[mask]))
+                    at += len(rows)
+        self.order = list(self.targets)  # in the order first needed
+        self.first_need = {key: self.targets[key][0][0] for key in self.order}
+        self.need_at = [self.first_need[key] for key in self.order]  # non-decreasing
+        self.started = 0
+        self.limit = max(prefetch, 1) * len(sources)
+        self.outputs: dict[int, Batch] = {}
+        self.reads: dict[int, list[Future[None]]] = {}
+        self.local = threading.local()
+        threads = max(1, min(self.limit, len(os.sched_getaffinity(0))))
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="batchctl-mix")
 
-    def want(self, pieces: list[tuple[int, np.ndarray]]) -> None:
-        for _, rows in pieces:
-            for stored in np.unique(rows // self.dataset.batch_size).tolist():
-                if stored not in self.reads:
-                    self.reads[stored] = self.pool.submit(self.dataset.__getitem__, stored)
-                self.uses[stored] = self.uses.get(stored, 0) + 1
+    def _output(self, i: int) -> Batch:
+        if i not in self.outputs:
+            size = sum(self.counts)
+            out = {name: np.empty((size, *shape), dtype) for name, (shape, dtype) in self.numeric.items()}
+            if SOURCE in self.fields:
+                out[SOURCE] = np.empty(size, dtype=object)
+            self.outputs[i] = out
+        return self.outputs[i]
 
-    def pending(self) -> int:
-        """Stored batches read or being read that a batch not yet cut wants."""
-        return len(self.reads)
+    def _start(self, key: tuple[int, int, int]) -> None:
+        """Read stored batch `key` once, into every batch of the pass taking rows of it."""
+        k, _, stored = key
+        size = self.sources[k].batch_size
+        targets: list[Batch | None] = [None] * size
+        place = [0] * size
+        fed = []
+        for i, places, local in self.targets.pop(key):
+            out = self._output(i)
+            for p, r in zip(places.tolist(), local.tolist(), strict=True):
+                targets[r], place[r] = out, p
+            fed.append(i)
+        read = self.pool.submit(self._read, k, stored, targets, place)
+        for i in fed:
+            self.reads.setdefault(i, []).append(read)
 
-    def held(self, rows: np.ndarray) -> dict[int, Batch]:
-        """The stored batches holding `rows`; one no later piece wants is let go."""
-        found = {}
-        for stored in np.unique(rows // self.dataset.batch_size).tolist():
-            found[stored] = self.reads[stored].result()
-            self.uses[stored] -= 1
-        return found
+    def _read(self, k: int, stored: int, targets: list[Batch | None], place: list[int]) -> None:
+        got = read_into(self.sources[k], self.numeric, stored, targets, place, self._scratch)
+        if SOURCE in got:
+            for r, (out, p) in enumerate(zip(targets, place, strict=True)):
+                if out is not None:
+                    out[SOURCE][p] = got[SOURCE][r]
 
-    def release(self) -> None:
-        for stored, left in list(self.uses.items()):
-            if left <= 0:
-                del self.uses[stored]
-                self.reads.pop(stored, None)
+    def _scratch(self, name: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        scratch: dict[tuple[str, tuple[int, ...]], np.ndarray] = self.local.__dict__.setdefault("scratch", {})
+        if (name, shape) not in scratch:
+            scratch[(name, shape)] = np.empty(shape, dtype)
+        return scratch[(name, shape)]
+
+    def cut(self, i: int) -> Batch:
+        while self.started < len(self.order) and (
+            self.need_at[self.started] <= i or self.started - bisect.bisect_right(self.need_at, i) < self.limit
+        ):  # every read batch i needs, and up to `limit` more ahead
+            self._start(self.order[self.started])
+            self.started += 1
+        for read in self.reads.pop(i, []):
+            read.result()
+        out = self.outputs.pop(i)
+        if SOURCE in out:
+            out[SOURCE] = np.array(out[SOURCE].tolist())
+        out[DATASET] = np.repeat(np.arange(len(self.sources), dtype=np.int16), self.counts)
+        return out
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _fields_of(name: str, dataset: Readable, fields: Sequence[str] | None) -> Readable:
