@@ -23,6 +23,7 @@ from torch.utils.data import Dataset as TorchDataset, IterableDataset, get_worke
 
 from batchctl.errors import ResumeMismatchError
 from batchctl.read.loader import Loader
+from batchctl.read.mixture import MixedLoader
 from batchctl.read.reader import Batch, Dataset
 from batchctl.read.views import FieldsOf, Subset
 from batchctl.run.mpinternals import pickled_for_a_child
@@ -107,7 +108,7 @@ class IterableBatches(IterableDataset[dict[str, Any]]):
 
     def __init__(
         self,
-        path: str | os.PathLike[str] | Subset,
+        path: str | os.PathLike[str] | Subset | MixedLoader,
         batch_size: int | None = None,
         shuffle: bool = True,
         seed: int = 0,
@@ -123,11 +124,19 @@ class IterableBatches(IterableDataset[dict[str, Any]]):
         partitions: int | None = None,
     ) -> None:
         self._rows: tuple[str, np.ndarray] | None = None  # a subset's: (its dataset's version, its rows)
-        if isinstance(path, Subset):
-            self._rows = (path.build_id, path.selected)
-            storage_options = storage_options if storage_options is not None else path.storage_options
-            path = path.path
-        self._lazy = _Lazy(path, storage_options=storage_options, cache_dir=cache_dir, cache_limit=cache_limit)
+        # a mixture's sources and options (`MixedLoader.recipe`), made again in each process
+        self._recipe: dict[str, Any] | None = None
+        self._cache: tuple[str | os.PathLike[str] | None, int | str | None] = (cache_dir, cache_limit)
+        self._lazy: _Lazy | None = None
+        if isinstance(path, MixedLoader):
+            self._recipe = path.recipe()
+            partitions = self._recipe["options"]["partitions"] if partitions is None else partitions
+        else:
+            if isinstance(path, Subset):
+                self._rows = (path.build_id, path.selected)
+                storage_options = storage_options if storage_options is not None else path.storage_options
+                path = path.path
+            self._lazy = _Lazy(path, storage_options=storage_options, cache_dir=cache_dir, cache_limit=cache_limit)
         distributed = dist.is_available() and dist.is_initialized()
         self.rank = rank if rank is not None else dist.get_rank() if distributed else 0
         self.world_size = world_size if world_size is not None else dist.get_world_size() if distributed else 1
@@ -136,7 +145,7 @@ class IterableBatches(IterableDataset[dict[str, Any]]):
         # the order's partitions: given, else a loaded state's, else one per rank x worker of the first pass
         self._options.update(partitions=partitions)
         self._partitions = partitions
-        self._loader_made: Loader | None = None
+        self._loader_made: Loader | MixedLoader | None = None
         self._loader()  # options checked here, not first in a DataLoader worker
         self._epoch: Any = RawValue("q", 0)  # shared with DataLoader workers (inherited, or passed as they start)
         self._workers_said: Any = RawValue("q", 0)  # the partitions the workers' first pass fixed (0: none yet)
@@ -148,8 +157,12 @@ class IterableBatches(IterableDataset[dict[str, Any]]):
         self._pass: _Pass | None = None
         self._workers: int | None = None  # as a loaded state says; checked against the DataLoader's
 
-    def _loader(self) -> Loader:
+    def _loader(self) -> Loader | MixedLoader:
         if self._loader_made is None:
+            if self._recipe is not None:
+                self._loader_made = self._mixture(self._recipe)
+                return self._loader_made
+            assert self._lazy is not None
             dataset: Dataset | Subset = self._lazy.dataset
             if self._rows is not None:
                 version, rows = self._rows
@@ -160,6 +173,19 @@ class IterableBatches(IterableDataset[dict[str, Any]]):
                 dataset = Subset(dataset, rows)
             self._loader_made = dataset.loader(rank=self.rank, world_size=self.world_size, **self._options)
         return self._loader_made
+
+    def _mixture(self, recipe: dict[str, Any]) -> MixedLoader:
+        """The mixture made again here: each source opened (refused if rebuilt since), its subset taken."""
+        sources: dict[str, Any] = {}
+        for name, (path, storage_options, selected, version) in recipe["sources"].items():
+            dataset = Dataset(
+                path, storage_options=storage_options, cache_dir=self._cache[0], cache_limit=self._cache[1]
+            )
+            if dataset.build_id != version:
+                raise ResumeMismatchError(f"{path} (source {name!r}) was rebuilt since the mixture was made of it")
+            sources[name] = dataset if selected is None else Subset(dataset, selected)
+        options = {**recipe["options"], "partitions": self._options["partitions"]}
+        return MixedLoader(sources, recipe["weights"], rank=self.rank, world_size=self.world_size, **options)
 
     def __getstate__(self) -> dict[str, Any]:
         state = {**self.__dict__, "_loader_made": None}
@@ -237,7 +263,7 @@ class IterableBatches(IterableDataset[dict[str, Any]]):
 
     def _run(self, current: _Pass, steps: Sequence[int]) -> Iterator[dict[str, Any]]:
         loader = self._loader()
-        for step, batch in enumerate(loader.read(loader.order(current.epoch), steps), 1):
+        for step, batch in enumerate(loader.read_steps(current.epoch, steps), 1):
             current.yielded += 1  # counted before the caller has it: a state then saved skips it
             if step == len(steps):
                 self._next_epoch(current)
@@ -259,7 +285,10 @@ class IterableBatches(IterableDataset[dict[str, Any]]):
         steps this DataLoader worker (or the main process) has handed out since, on how many ranks."""
         worker, workers = self._worker()
         current = self._pass if self._pass is not None else self._current()
-        state = self._loader().state_dict()
+        loader = self._loader()
+        if isinstance(loader, MixedLoader):
+            loader.at_epoch(current.epoch)  # its streams' places at that epoch's start
+        state = loader.state_dict()
         state.update(epoch=current.epoch, position=current.start, worker=worker, workers=workers)
         state.update(yielded=current.yielded, world_size=self.world_size)
         return state
@@ -271,6 +300,8 @@ class IterableBatches(IterableDataset[dict[str, Any]]):
         worker's state holds its own count only, not the rank's)."""
         self._partitions = self._loader().check_state(state)
         self._loader().with_partitions(self._partitions, self._worker()[1])
+        if isinstance(loader := self._loader(), MixedLoader):
+            loader.load_state_dict(state)  # its streams' places
         # world_size not said: a state of an earlier batchctl, taken as this world size's
         counts = {"workers": 1, "worker": 0, "yielded": 0, "world_size": self.world_size}
         counts = {name: state.get(name, default) for name, default in counts.items()}

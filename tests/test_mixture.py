@@ -168,3 +168,34 @@ def test_a_rebuilt_source_or_unlike_fields_are_refused_in_one_line(sources: dict
         batchctl.mix(opened(sources), {"big": 0.99, "small": 0.01}, batch_size=10)
     with pytest.raises(batchctl.UsageError, match="'small' has 15 stored batches, fewer than the 16 partitions"):
         batchctl.mix(opened(sources), {"big": 1, "small": 1}, batch_size=10, partitions=16)
+
+
+def test_iterable_batches_reads_a_mixture_through_dataloader_workers_and_resumes(sources: dict[str, Path]) -> None:
+    pytest.importorskip("torchdata")
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from batchctl.torch import IterableBatches
+
+    weights = {"big": 0.7, "small": 0.3}
+    # one partition per DataLoader worker: the mixture's order with partitions=2
+    want = [
+        b for epoch in epochs(batchctl.mix(opened(sources), weights, batch_size=10, partitions=2), 2) for b in epoch
+    ]
+
+    def run(stop: int | None = None, state: dict[str, Any] | None = None) -> tuple[list[list[int]], Any]:
+        stream = IterableBatches(batchctl.mix(opened(sources), weights, batch_size=10))
+        loader = StatefulDataLoader(stream, batch_size=None, num_workers=2)
+        if state is not None:
+            loader.load_state_dict(state)
+        got: list[list[int]] = []
+        for _ in range(2):
+            for batch in loader:
+                got.append(rows(batch))
+                if len(got) == stop:
+                    return got, loader.state_dict()
+        return got, None
+
+    assert run()[0] == want
+    head, state = run(stop=9)
+    tail, _ = run(state=state)
+    assert head + tail[: len(want) - 9] == want  # resumed exactly: the rest of epoch 0, then epoch 1

@@ -187,6 +187,10 @@ class Loader:
         if not steps:  # nothing was left of this epoch
             self.epoch, self.position = self.epoch + 1, 0
 
+    def read_steps(self, epoch: int, batches: Iterable[int]) -> Iterator[Batch]:
+        """Output batches `batches` of epoch `epoch`, in that order."""
+        return self.read(self.order(epoch), batches)
+
     def read(self, order: EpochOrder, batches: Iterable[int]) -> Iterator[Batch]:
         """Output batches `batches` of `order`, in that order, reading stored batches ahead in threads."""
         return _read(self.dataset, order, batches, self.prefetch)

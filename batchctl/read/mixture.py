@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from batchctl.errors import ResumeMismatchError, UsageError
-from batchctl.read.loader import Batch, read_into
+from batchctl.read.loader import Batch, BatchSource, read_into
 from batchctl.read.order import EpochOrder, OrderOptions, family_problem, rank_batches
 from batchctl.read.views import FieldsOf, Readable, Subset
 from batchctl.store.metadata import SOURCE
@@ -65,7 +65,7 @@ class MixOptions:
 class _Stream:
     """One source's rows as an endless stream per partition: its epochs (cycles) one after another."""
 
-    def __init__(self, name: str, dataset: Readable, options: MixOptions) -> None:
+    def __init__(self, name: str, dataset: BatchSource, options: MixOptions) -> None:
         self.name, self.dataset = name, dataset
         seed = int.from_bytes(hashlib.sha256(f"{options.seed}\0{name}".encode()).digest()[:4], "big")
         self.order_options = OrderOptions(1, options.shuffle, seed, options.mix, False, options.partitions)
@@ -150,7 +150,11 @@ class MixedLoader:
             checked.batch_size, checked.shuffle, checked.seed, checked.mix, checked.partitions, epoch_size
         )
         self.batch_size, self.shuffle, self.seed, self.mix = batch_size, checked.shuffle, checked.seed, checked.mix
-        self.sources = {name: _fields_of(name, ds, fields) for name, ds in sources.items()}
+        self.opened = {name: _opened(ds) for name, ds in sources.items()}  # as given (paths opened)
+        self.fields_asked = None if fields is None else list(fields)
+        self.sources: dict[str, BatchSource] = {
+            name: ds if fields is None else FieldsOf(ds, fields) for name, ds in self.opened.items()
+        }
         self.fields = _shared_fields(self.sources)
         self.prefetch = max(self.mix if self.shuffle else 1, 2) if prefetch is None else prefetch
         self.weights = {name: float(weights[name]) for name in self.names}
@@ -217,7 +221,8 @@ class MixedLoader:
             spans.append((p, start, start + count))
         return spans
 
-    def batches(self, position: int | None = None) -> Sequence[int]:
+    def batches(self, position: int | None = None, epoch: int | None = None) -> Sequence[int]:
+        """This rank's batches of an epoch from `position` (every mixture epoch has as many)."""
         position = self.position if position is None else position
         return rank_batches(self.total, position, self.rank, self.world_size, True)
 
@@ -282,8 +287,28 @@ class MixedLoader:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from `state` (saved on any world size dividing its partitions); saved with
-        other weights, the epoch goes on with this loader's counts from the next batch."""
+        """Continue from `state` (saved on any world size dividing its partitions, which this loader
+        takes unless given others); saved with other weights, the epoch goes on with this loader's
+        counts from the next batch."""
+        self.with_partitions(self.check_state(state))
+        epoch, position = int(state["epoch"]), int(state["position"])
+        anchors = [int(a) for a in state["anchor_steps"]]
+        offsets = {name: [int(v) for v in state["offsets"][name]] for name in self.names}
+        old = [int(state["counts"][name]) for name in self.names]
+        partitions = self.options.partitions
+        if not 0 <= position < self.total or len(anchors) != partitions:
+            raise ResumeMismatchError(f"the state's position {position} is not of this mixture ({self.total} batches)")
+        if any(len(v) != partitions for v in offsets.values()):
+            raise ResumeMismatchError("the state's stream offsets are not of this mixture")
+        if old != self.counts:  # new weights: each partition's anchor moves to the batches already taken
+            done = [len(range(p, position, partitions)) for p in range(partitions)]
+            for name, count in zip(self.names, old, strict=True):
+                offsets[name] = [o + (d - a) * count for o, d, a in zip(offsets[name], done, anchors, strict=True)]
+            anchors = done
+        self.epoch, self.position, self.anchor_steps, self.offsets = epoch, position, anchors, offsets
+
+    def check_state(self, state: Any) -> int:
+        """Refuse, in one line naming the difference, a state this mixture cannot continue; return its partitions."""
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
             raise ResumeMismatchError(f"not a batchctl mixture state (expected format {STATE_FORMAT!r})")
         saved = state.get("sources")
@@ -297,33 +322,62 @@ class MixedLoader:
                 )
         options = dict(state.get("options") or {})
         partitions = options.get("partitions")
-        if not self.partitions_given and isinstance(partitions, int) and not isinstance(partitions, bool):
-            if problem := family_problem(partitions, self.world_size):
-                raise ResumeMismatchError(problem)
+        if isinstance(partitions, bool) or not isinstance(partitions, int) or not 1 <= partitions < 2**31:
+            raise ResumeMismatchError(f"the state's partitions are not an int >= 1: {partitions!r}")
+        for name, value in dataclasses.asdict(self.options).items():
+            if options.get(name) != value and (name != "partitions" or self.partitions_given):
+                raise ResumeMismatchError(f"the state was saved with {name}={options.get(name)!r}, this has {value!r}")
+        try:
+            numbers = [state["epoch"], state["position"], *state["anchor_steps"], *state["counts"].values()]
+            numbers += [v for name in self.names for v in state["offsets"][name]]
+        except (KeyError, TypeError, AttributeError):
+            raise ResumeMismatchError("the mixture state is incomplete or damaged") from None
+        if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63 for v in numbers):
+            raise ResumeMismatchError("the mixture state's epoch, position and offsets are not ints >= 0")
+        return partitions
+
+    def with_partitions(self, partitions: int, workers: int = 1) -> None:
+        """Deal the sources into `partitions` (a state's, or one per rank x DataLoader worker);
+        refused in one line when the consumers do not divide them."""
+        if problem := family_problem(partitions, self.world_size, workers):
+            raise ResumeMismatchError(problem)
+        if partitions != self.options.partitions:
             self.options = dataclasses.replace(self.options, partitions=partitions)
             self._streams = self._make_streams()
-        for name, value in dataclasses.asdict(self.options).items():
-            if options.get(name) != value:
-                raise ResumeMismatchError(f"the state was saved with {name}={options.get(name)!r}, this has {value!r}")
-        self.steps = self._steps()
-        try:
-            epoch, position = int(state["epoch"]), int(state["position"])
-            anchors = [int(a) for a in state["anchor_steps"]]
-            offsets = {name: [int(v) for v in state["offsets"][name]] for name in self.names}
-            old = [int(state["counts"][name]) for name in self.names]
-        except (KeyError, TypeError, ValueError):
-            raise ResumeMismatchError("the mixture state is incomplete or damaged") from None
-        p_count = self.options.partitions
-        if not 0 <= position < max(self.total, 1) or epoch < 0 or len(anchors) != p_count:
-            raise ResumeMismatchError(f"the state's epoch {epoch} and position {position} are not of this mixture")
-        if any(len(v) != p_count or min(v) < 0 for v in offsets.values()):
-            raise ResumeMismatchError("the state's stream offsets are not of this mixture")
-        if old != self.counts:  # new weights: each partition's anchor moves to the batches already taken
-            done = [len(range(p, position, p_count)) for p in range(p_count)]
-            for name, count in zip(self.names, old, strict=True):
-                offsets[name] = [o + (d - a) * count for o, d, a in zip(offsets[name], done, anchors, strict=True)]
-            anchors = done
-        self.epoch, self.position, self.anchor_steps, self.offsets = epoch, position, anchors, offsets
+            self.steps = self._steps()
+            epoch, self.epoch = self.epoch, -1
+            self.set_epoch(epoch)  # the streams' places, per partition now
+
+    def at_epoch(self, epoch: int) -> None:
+        """Move the streams to mixture epoch `epoch`'s start, unless this loader is in it."""
+        if epoch == self.epoch + 1:
+            self._next_epoch()  # the streams go on from where this epoch leaves them
+        elif epoch != self.epoch:
+            self.set_epoch(epoch)
+
+    def read_steps(self, epoch: int, steps: Sequence[int]) -> Iterator[Batch]:
+        """Batches `steps` of mixture epoch `epoch` (moving this loader's streams there first)."""
+        self.at_epoch(epoch)
+        return self._read(list(steps))
+
+    def recipe(self) -> dict[str, Any]:
+        """What makes this mixture again in another process (`batchctl.torch.IterableBatches`)."""
+        return {
+            "sources": {
+                name: (ds.path, dict(ds.storage_options), ds.selected, ds.build_id) for name, ds in self.opened.items()
+            },
+            "weights": dict(self.weights),
+            "options": {
+                "batch_size": self.batch_size,
+                "epoch_size": self.options.epoch_size,
+                "shuffle": self.shuffle,
+                "seed": self.seed,
+                "mix": self.mix,
+                "prefetch": self.prefetch,
+                "fields": self.fields_asked,
+                "partitions": self.options.partitions if self.partitions_given else None,
+            },
+        }
 
 
 class _MixReads:
@@ -334,7 +388,7 @@ class _MixReads:
 
     def __init__(
         self,
-        sources: list[Readable],
+        sources: list[BatchSource],
         fields: list[str],
         counts: list[int],
         plans: list[list[list[tuple[int, np.ndarray]]]],
@@ -422,15 +476,15 @@ class _MixReads:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _fields_of(name: str, dataset: Readable, fields: Sequence[str] | None) -> Readable:
+def _opened(dataset: Readable | str | os.PathLike[str]) -> Readable:
     if isinstance(dataset, (str, os.PathLike)):
         from batchctl.read.reader import open as open_dataset
 
-        dataset = open_dataset(dataset)
-    return dataset if fields is None else FieldsOf(dataset, fields)  # type: ignore[return-value]
+        return open_dataset(dataset)
+    return dataset
 
 
-def _shared_fields(sources: Mapping[str, Readable]) -> list[str]:
+def _shared_fields(sources: Mapping[str, BatchSource]) -> list[str]:
     """The fields every source has, each the same row shape and kind; any other is refused in one line."""
     first_name, first = next(iter(sources.items()))
     names = list(first.fields)
@@ -454,7 +508,7 @@ def _shared_fields(sources: Mapping[str, Readable]) -> list[str]:
     return names
 
 
-def _version(dataset: Readable) -> dict[str, Any]:
+def _version(dataset: BatchSource) -> dict[str, Any]:
     version: dict[str, Any] = {"build_id": dataset.build_id, "num_samples": dataset.num_samples}
     if dataset.selected is not None:
         version["subset"] = hashlib.sha256(dataset.selected.astype("<i8").tobytes()).hexdigest()[:16]
