@@ -120,7 +120,7 @@ def read_published(paths: BuildPaths, keep_tail: bool) -> Published:
 
 def damaged_shards(paths: BuildPaths, published: Published, shards: Collection[int]) -> dict[int, str]:
     """Which published `shards` (those an incremental build would keep) are not what the last
-    build wrote, and why: each file's SHA-256 against the build info's where it has one (a local
+    build wrote, and why: each file's hash against the build info's where it has one (a local
     OUTPUT: the kept files are read once, in threads), else its index and size (an object store,
     whose objects are replaced whole, never edited in place; a dataset of an older batchctl)."""
     assert published.record is not None

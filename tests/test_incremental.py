@@ -3,6 +3,7 @@ holds exactly the rows a fresh build holds, and only the new work is done."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -116,6 +117,26 @@ def test_only_an_added_file_rewrites_only_the_last_shard(folder: Path, tmp_path:
     after = {p.name: p.stat().st_ino for p in (out / "source_index" / "c").iterdir()}
     assert sorted(after) == ["0", "1", "2", "3", "4", "5"]
     assert all(after[name] == before[name] for name in before)  # the full shards kept as they were (linked)
+
+
+def test_a_dataset_of_an_earlier_batchctl_whole_file_hashes_is_updated_without_redoing_its_shards(
+    folder: Path, tmp_path: Path
+) -> None:
+    """Shard hashes are now trees of chunk hashes: a build info holding an earlier batchctl's
+    whole-file SHA-256s is not trusted for them (nor taken for damage): its kept shards are
+    checked by their index, their hashes read again, and the digest is this version's."""
+    out = tmp_path / "data.zarr"
+    build(folder, out)
+    info = json.loads((out / "batchctl.build.json").read_text())
+    assert all(found.startswith("sha256-chunks:") for found in info["shards"].values())
+    info["shards"] = {key: hashlib.sha256((out / key).read_bytes()).hexdigest() for key in info["shards"]}
+    (out / "batchctl.build.json").write_text(json.dumps(info))  # as an earlier batchctl wrote it
+    new_image(tmp_path, folder / "cat" / "late.jpg", 7)
+    report = build(folder, out)
+    assert report["processed"] == 1 and report["kept_samples"] == 40 and "damaged" not in report["stderr"]
+    assert verify(out) == []  # the digest recomputed from the files is the one published
+    rebuilt = json.loads((out / "batchctl.build.json").read_text())["shards"]
+    assert all(found.startswith("sha256-chunks:") for found in rebuilt.values())
 
 
 def test_an_interrupted_incremental_run_resumes(folder: Path, tmp_path: Path) -> None:

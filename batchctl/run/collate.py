@@ -3,8 +3,9 @@
 It is the only writer of the dataset's arrays. Chunks of samples are placed in the dispatch
 order, whatever order the workers finish in (`Placement`, `batchctl.run.reorder`). Each batch, the
 moment it is full, is encoded and appended to its shard (one chunk per array,
-`batchctl.store.shards`), and each shard file is hashed as it is written; the shard's index is
-written when its last batch is in. About every second the shard files are fsynced and then the
+`batchctl.store.shards`); each chunk is hashed by the writer thread that encodes it, and a
+shard's hash combines its chunks' (`digest.shard_hash`), so no one thread hashes every byte. The
+shard's index is written when its last batch is in. About every second the shard files are fsynced and then the
 batches written since are journaled, so a build killed outright loses at most the last second or
 so. Stopped gracefully (the parent's `Stop`), it writes and journals its half-filled batch too,
 and a resumed build picks that batch up again. The first sample in dispatch order fixes the
@@ -52,6 +53,7 @@ from batchctl.run.rows import check_schema, provenance, runs_of, schema_of
 from batchctl.run.writeplan import Carry, CollatorConfig
 from batchctl.store import chunkread, codec, format as fmt, metadata, shards, storage
 from batchctl.store.journal import BatchLine, Chunk, FileRun, Line, ShardDone
+from batchctl.store.shardhash import chunk_digest
 
 SYNC_S = 1.0  # batches are journaled (their shard files fsynced first) at most this long after being written
 # Threads that encode and write batches (zstd, blosc, crc32c and pwritev release the GIL). The
@@ -71,7 +73,7 @@ class _InFlight:
     order) and written; journaled once it and every batch before it are written and fsynced."""
 
     line: BatchLine  # its journal line, without its chunks' places until it is placed
-    encoding: Future[dict[str, list[Any]]]
+    encoding: Future[dict[str, tuple[list[Any], bytes]]]  # each array's chunk: its pieces and their SHA-256
     buffers: dict[str, np.ndarray]
     writing: list[Future[None]] | None = None
     chunks: dict[str, Chunk] = field(default_factory=dict)  # filled in when placed
@@ -110,7 +112,6 @@ class Collator:
         self.in_flight: deque[_InFlight] = deque()
         self.spare: list[dict[str, np.ndarray]] = []  # batch buffers free to be filled again
         self.threads = ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="batchctl-write")
-        self.hashing = ThreadPoolExecutor(1, thread_name_prefix="batchctl-hash")  # shard files hashed in order
         self.last_sync = time.monotonic()
         self.fsync_s = 0.0  # time in fsync, and waiting for the writer threads (the build's report)
         self.wait_s = 0.0
@@ -276,8 +277,10 @@ class Collator:
         self._advance()
         self.batch = self._new_batch()
 
-    def _encode(self, columns: dict[str, np.ndarray]) -> dict[str, list[Any]]:
-        return {name: self.encoders[name].encode(column) for name, column in columns.items()}
+    def _encode(self, columns: dict[str, np.ndarray]) -> dict[str, tuple[list[Any], bytes]]:
+        """Each array's chunk of a batch, encoded, and its digest (in this writer thread)."""
+        encoded = {name: self.encoders[name].encode(column) for name, column in columns.items()}
+        return {name: (pieces, chunk_digest(pieces)) for name, pieces in encoded.items()}
 
     def _advance(self, block: bool = False) -> None:
         """Place encoded batches in their shards in order and start writing them; take back the
@@ -290,11 +293,11 @@ class Collator:
                 break
             pieces = item.encoding.result()
             item.writing = []
-            for name, chunk_pieces in pieces.items():
+            for name, (chunk_pieces, digest) in pieces.items():
                 shard = self.open[name]
                 offset, nbytes = shard.reserve(sum(len(piece) for piece in chunk_pieces))
                 item.chunks[name] = (offset, nbytes)
-                item.writing.append(self.hashing.submit(shard.hash, chunk_pieces))
+                shard.add_digest(digest)  # in placement order
                 for start, data in _slices(chunk_pieces, offset):
                     item.writing.append(self.threads.submit(shard.write, start, data))
         while self.in_flight and self.in_flight[0].writing is not None:
@@ -363,7 +366,6 @@ class Collator:
         if self.open:
             self._close_shards()
         self.threads.shutdown()
-        self.hashing.shutdown()
         for name, arr in self.arrays.items():
             self.arrays[name] = arr.resized(self.samples)
             self.files.write_array(self.arrays[name])
@@ -383,7 +385,6 @@ class Collator:
         for shard in self.open.values():
             shard.close()
         self.threads.shutdown()
-        self.hashing.shutdown()
         return Stopped(self.samples)
 
 

@@ -3,18 +3,24 @@ and its batchctl attributes (docs/format.md, "The digest"). Two builds of the sa
 the same options give the same digest whatever their workers, engine or interruptions; a
 build publishes it (`digest` in the attributes, the report and `info`), `verify` recomputes it.
 
-A build does not read its shards back for it: the collator hashes each shard file as it writes
-it (`journal.ShardDone.sha256`), and an incremental build takes the hashes of the shards it keeps
+A shard file's hash is a tree: SHA-256 over the SHA-256 of each of its chunks in index order
+and of its index (`shard_hash`), so the chunks can be hashed where they are encoded, many at once
+(the collator's writer threads), and no one thread hashes every byte a build writes. A build
+does not read its shards back for it: the collator combines the chunk hashes as it places them
+(`journal.ShardDone.sha256`), and an incremental build takes the hashes of the shards it keeps
 from the last build's info; only a shard no one hashed whole (resumed half-written, or written
-by Dask tasks) is read here.
+by Dask tasks) is read here. A hash of another scheme (an earlier batchctl's whole-file SHA-256)
+is not used: the shard is read again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
-from collections.abc import Mapping
+import os
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -22,10 +28,11 @@ from batchctl.errors import FormatError
 from batchctl.store import storage
 from batchctl.store.codec import NO_CHUNK, parse_shard_index
 from batchctl.store.metadata import DatasetAttrs
+from batchctl.store.shardhash import ours as _ours, shard_hash
 from batchctl.store.untrusted import NotRegularFile, open_regular
 from batchctl.store.zarrmeta import ZARR_JSON, ArrayMeta, DatasetFiles
 
-DIGEST_VERSION = 1
+DIGEST_VERSION = 2
 HASH_THREADS = 8  # hashlib releases the GIL on big buffers; the shards are read and hashed side by side
 
 
@@ -39,12 +46,13 @@ def shard_keys(arrays: Mapping[str, ArrayMeta], num_samples: int) -> dict[str, l
 
 
 def hashes_by_key(arrays: Mapping[str, ArrayMeta], by_shard: Mapping[int, Mapping[str, str]]) -> dict[str, str]:
-    """Shard files' hashes by file key, from the journal's shape (shard -> {array: hash})."""
+    """Shard files' hashes by file key, from the journal's shape (shard -> {array: hash}); a
+    hash of another scheme is left out (the shard is read again)."""
     return {
         arrays[name].shard_key(shard): found
         for shard, hashes in by_shard.items()
         for name, found in hashes.items()
-        if name in arrays
+        if name in arrays and _ours(found)
     }
 
 
@@ -55,7 +63,7 @@ def hashes_by_shard(
     found: dict[int, dict[str, str]] = {}
     for shard in range(num_shards):
         for name, arr in arrays.items():
-            if arr.shard_key(shard) in by_key:
+            if arr.shard_key(shard) in by_key and _ours(by_key[arr.shard_key(shard)]):
                 found.setdefault(shard, {})[name] = by_key[arr.shard_key(shard)]
     return found
 
@@ -64,13 +72,14 @@ def content_digest(
     files: DatasetFiles, arrays: Mapping[str, ArrayMeta], attrs: DatasetAttrs, known: Mapping[str, str] | None = None
 ) -> tuple[str, dict[str, str]]:
     """The digest of the dataset in `files` whose final attributes are `attrs` (their own
-    `digest` left out), and each shard file's SHA-256: taken from `known` where given, else read.
-    A shard file that is missing counts as such."""
+    `digest` left out), and each shard file's hash (`shard_hash`): taken from `known` where
+    given, else read. A shard file that is missing counts as such."""
     keys = shard_keys(arrays, attrs.num_samples)
-    known = known or {}
+    known = {key: found for key, found in (known or {}).items() if _ours(found)}
+    per_shard = {key: arr.grid[0] // arr.chunks[0] for name, arr in arrays.items() for key in keys[name]}
     todo = [key for name in sorted(keys) for key in keys[name] if key not in known]
     with ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="batchctl-digest") as pool:
-        read = dict(zip(todo, pool.map(lambda key: _file_sha256(files, key), todo), strict=True))
+        read = dict(zip(todo, pool.map(lambda key: shard_file_hash(files, key, per_shard[key]), todo), strict=True))
     shards = {key: known.get(key) or read[key] for name in keys for key in keys[name]}
     whole = hashlib.sha256(f"batchctl dataset digest {DIGEST_VERSION}\n".encode())
     for name in sorted(keys):
@@ -97,13 +106,56 @@ def _file_sha256(files: DatasetFiles, key: str) -> str:
         return "not a regular file"
 
 
-def shard_problem(files: DatasetFiles, key: str, per_shard: int, sha256: str | None) -> str | None:
-    """Why the shard file `key` is not the one a build wrote, or None: not its SHA-256 (`sha256`,
-    where known: the whole file is read), else an index that does not read or chunks that do not
-    end where the index does (one ranged read of its index, as on an object store)."""
-    if sha256 is not None:
-        found = _file_sha256(files, key)
-        if found == sha256:
+def shard_file_hash(files: DatasetFiles, key: str, per_shard: int) -> str:
+    """The shard file `key`'s hash (`shard_hash`), read from the file: its index, then each of
+    its chunks (in pieces of at most a chunk). "missing", "not a regular file", or a hash of no
+    scheme (`damaged: ...`) where the file is not a shard whose chunks and index tile it."""
+    try:
+        with _reader(files, key) as (size, read):
+            nbytes = per_shard * 16 + 4
+            raw = read(size - nbytes, size) if size >= nbytes else b""
+            try:
+                index = parse_shard_index(raw, per_shard)
+            except FormatError:
+                return "damaged: its index does not read"
+            present = index[index[:, 0] != NO_CHUNK]
+            ends = sorted((int(offset), int(offset + length)) for offset, length in present)
+            if [start for start, _ in ends] != [0, *(end for _, end in ends[:-1])] or (
+                ends[-1][1] if ends else 0
+            ) + nbytes != size:
+                return "damaged: its chunks and index do not tile it"
+            return shard_hash((hashlib.sha256(read(int(o), int(o + n))).digest() for o, n in present), raw)
+    except FileNotFoundError:
+        return "missing"
+    except NotRegularFile:
+        return "not a regular file"
+
+
+@contextlib.contextmanager
+def _reader(files: DatasetFiles, key: str) -> Iterator[tuple[int, Callable[[int, int], bytes]]]:
+    """The object `key` opened once: its size and a reader of byte ranges."""
+    if files.remote:
+        fs, root = storage.locate(files.location, files.storage_options)
+        with fs.open(f"{root}/{key}", "rb") as remote:
+
+            def read_remote(start: int, end: int) -> bytes:
+                remote.seek(start)
+                return bytes(remote.read(end - start))
+
+            yield int(remote.size), read_remote
+        return
+    with open_regular(Path(files.location) / key) as local:
+        yield os.fstat(local.fileno()).st_size, lambda start, end: os.pread(local.fileno(), end - start, start)
+
+
+def shard_problem(files: DatasetFiles, key: str, per_shard: int, known: str | None) -> str | None:
+    """Why the shard file `key` is not the one a build wrote, or None: not its hash (`known`,
+    where it is of this scheme: the whole file is read), else an index that does not read or
+    chunks that do not end where the index does (one ranged read of its index, as on an object
+    store)."""
+    if known is not None and _ours(known):
+        found = shard_file_hash(files, key, per_shard)
+        if found == known:
             return None
         return found if found in ("missing", "not a regular file") else "its bytes are not those it was written with"
     try:

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 from batchctl.errors import FormatError
 from batchctl.records import PathKey
+from batchctl.store.shardhash import is_shard_hash
 
 MAX_COUNT = 2**63 - 1  # what an int64 holds: beyond any real count of rows, bytes or shards, or mtime in ns
 ENGINES = ("local", "dask")
@@ -101,8 +102,8 @@ def parse_line(value: Any, batch_size: int) -> Line:
     if "shard_done" in entry:
         hashes = mapping(entry.get("sha256", {}), "sha256")
         for name, found in hashes.items():
-            if not isinstance(found, str) or len(found) != 64:
-                raise Untrusted(f"the SHA-256 of {name!r} is {found!r}")
+            if not isinstance(found, str) or not is_shard_hash(found):
+                raise Untrusted(f"the hash of {name!r}'s shard is {found!r}")
         return ShardDone(whole(entry["shard_done"], "shard_done"), hashes)
     if "group" in entry:
         group = whole(entry["group"], "group", -1)

@@ -12,7 +12,6 @@ freed): ~0.35 ms per 224x224 photo, 8% of a worker's time, on two cores shared w
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from typing import Any
 from batchctl.errors import FormatError
 from batchctl.store import codec, zarrmeta
 from batchctl.store.journal import Chunk
+from batchctl.store.shardhash import shard_hash
 
 
 class OpenShard:
@@ -32,7 +32,9 @@ class OpenShard:
         self.key = arr.shard_key(shard_index)
         self.chunks = list(chunks)  # already there (resumed), in order
         self.size = chunks[-1][0] + chunks[-1][1] if chunks else 0
-        self.sha = None if chunks else hashlib.sha256()  # of the whole file, where it is all written here
+        # the chunks' digests in order, where the whole file is written here (`digest.shard_hash`)
+        self.digests: list[bytes] | None = None if chunks else []
+        self.index = b""
         self.fd: int | None = None
         self.remote: dict[int, bytes] = {}  # remote: the bytes written, by offset, until the shard is whole
         if not files.remote:
@@ -49,15 +51,14 @@ class OpenShard:
         self.chunks.append(chunk)
         return chunk
 
-    def hash(self, pieces: list[Any]) -> None:
-        """Feed the file's hash the next chunk's bytes: called in placement order, by one thread."""
-        if self.sha is not None:
-            for piece in pieces:
-                self.sha.update(memoryview(piece).cast("B"))
+    def add_digest(self, digest: bytes) -> None:
+        """The next chunk's SHA-256 (`digest.chunk_digest`), in placement order."""
+        if self.digests is not None:
+            self.digests.append(digest)
 
     def sha256(self) -> str | None:
-        """The finished file's SHA-256, or None where it was not all written here (resumed)."""
-        return None if self.sha is None else self.sha.hexdigest()
+        """The finished file's hash (`digest.shard_hash`), or None where not all written here (resumed)."""
+        return None if self.digests is None else shard_hash(self.digests, self.index)
 
     def write(self, offset: int, data: Any) -> None:
         """Bytes of a reserved chunk (all of it, or a slice) at `offset`; any thread may call it."""
@@ -74,7 +75,7 @@ class OpenShard:
     def finish(self, shard_batches: int) -> None:
         """Write the index (local: then fsync and close; remote: the whole shard in one PUT)."""
         index = codec.shard_index_bytes(self.chunks, shard_batches)
-        self.hash(index)
+        self.index = b"".join(bytes(piece) for piece in index)
         if self.fd is None:
             pieces = [self.remote[offset] for offset in sorted(self.remote)]
             self.files.write(self.key, [*pieces, *index])
