@@ -585,6 +585,7 @@ SECTIONS = [
     "incremental",
     "big_npy",
     "big_audio",
+    "threads",
     "read",
     "read_once",
     "remote",
@@ -652,6 +653,10 @@ def main() -> None:
             from read import bench_read
 
             bench_read(root, results, lambda src, out, *extra: batchctl_cmd(src, out, CORES, *extra))
+        if "threads" in todo:
+            from threads import bench_threads
+
+            bench_threads(root, results)
         if "read_once" in todo:
             from read_once import bench_read_once
 
