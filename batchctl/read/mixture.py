@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from batchctl.errors import ResumeMismatchError, UsageError
-from batchctl.read.loader import Batch, BatchSource, read_into
+from batchctl.read.loader import Batch, BatchSource, default_prefetch, read_into
 from batchctl.read.order import EpochOrder, OrderOptions, family_problem, rank_batches
 from batchctl.read.views import FieldsOf, Readable, Subset
 from batchctl.store.metadata import SOURCE
@@ -156,7 +156,8 @@ class MixedLoader:
             name: ds if fields is None else FieldsOf(ds, fields) for name, ds in self.opened.items()
         }
         self.fields = _shared_fields(self.sources)
-        self.prefetch = max(self.mix if self.shuffle else 1, 2) if prefetch is None else prefetch
+        # one group of each source ahead: the reads of every source share the window (`_MixReads`)
+        self.prefetch = default_prefetch(self.mix, self.shuffle, remote=True) if prefetch is None else prefetch
         self.weights = {name: float(weights[name]) for name in self.names}
         self.counts = counts([self.weights[n] for n in self.names], self.batch_size)
         if 0 in self.counts:

@@ -234,7 +234,7 @@ class Dataset:
         epoch (`mix` stored batches' rows permuted together), each stored batch read by one rank
         only, and a resume state (`state_dict`) that continues exactly, on this or another world
         size dividing `partitions` (default: `world_size`; say 12 to resume on 1, 2, 3, 4, 6 or
-        12 ranks). `prefetch` stored batches are read ahead (default: one group of `mix`).
+        12 ranks). `prefetch` stored batches are read ahead (default: two groups of `mix`; one from a URL).
         `fields`: only these arrays are read (nothing of the others); the order and resume state
         are the same whatever fields are read. See `Loader` and `read/order.py`."""
         return loader_of(
