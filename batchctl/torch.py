@@ -103,7 +103,9 @@ class IterableBatches(IterableDataset[dict[str, Any]]):
     both reach them whether the workers are kept (`persistent_workers=True`) or made each epoch.
     `state_dict`/`load_state_dict` make it resumable under torchdata's `StatefulDataLoader`.
     `path` may be a `Subset` (`ds.subset(...)`, `ds.split(...)[name]`): its rows are read, the
-    dataset opened again in each worker (it must still be the version the subset was made of).
+    dataset opened again in each worker (it must still be the version the subset was made of); or
+    a mixture (`batchctl.mix(...)`): its sources are opened again in each worker and its own
+    options used (the ones here other than rank, world size, cache and partitions are not).
     """
 
     def __init__(

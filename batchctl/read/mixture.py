@@ -34,7 +34,7 @@ import numpy as np
 from batchctl.errors import ResumeMismatchError, UsageError
 from batchctl.read.loader import Batch, BatchSource, default_prefetch, read_into
 from batchctl.read.order import EpochOrder, OrderOptions, family_problem, rank_batches
-from batchctl.read.views import FieldsOf, Readable, Subset
+from batchctl.read.views import FieldsOf, Readable
 from batchctl.store.metadata import SOURCE
 
 STATE_FORMAT = "batchctl.mix/1"
@@ -149,7 +149,12 @@ class MixedLoader:
         self.options = MixOptions(
             checked.batch_size, checked.shuffle, checked.seed, checked.mix, checked.partitions, epoch_size
         )
-        self.batch_size, self.shuffle, self.seed, self.mix = batch_size, checked.shuffle, checked.seed, checked.mix
+        self.batch_size, self.shuffle, self.seed, self.mix = (
+            checked.batch_size,
+            checked.shuffle,
+            checked.seed,
+            checked.mix,
+        )
         self.opened = {name: _opened(ds) for name, ds in sources.items()}  # as given (paths opened)
         self.fields_asked = None if fields is None else list(fields)
         self.sources: dict[str, BatchSource] = {
@@ -540,4 +545,4 @@ def mix(
     )
 
 
-__all__ = ["DATASET", "MixedLoader", "Subset", "counts", "mix"]
+__all__ = ["DATASET", "MixedLoader", "counts", "mix"]
