@@ -11,7 +11,7 @@ import stat
 import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -125,25 +125,75 @@ def refuse_special_files(root: Path) -> None:
                 raise FormatError(f"{entry.path} is not a regular file (a FIFO, socket or device): not a dataset's")
 
 
-class ChunkReader:
-    """Reads one whole chunk (= one batch) of a numeric array straight from its shard file.
+class ChunkLayout:
+    """One array's chunks as batchctl writes them, whatever holds their bytes (`ChunkReader`: a
+    local shard file; `remote.RemoteChunkReader`: ranged reads at a URL): the layout, a shard's
+    index parsed and a chunk found in it, and a chunk's bytes checked and decoded into the rows a
+    caller hands. `sharding_indexed` with the index at the end (little-endian uint64 offset/nbytes
+    pairs plus crc32c), inner codecs bytes + zstd, bytes + blosc + crc32c, or bytes + crc32c;
+    every checksum is checked, and a missing shard or chunk is damage, not fill values."""
 
-    zarr-python 3.1 reads a 9.6 MB batch of images at ~0.8 GB/s while zstd alone decodes it at
-    ~4 GB/s (benchmarks/read.py), so the reader decodes chunks of the layout written here itself,
-    compressed chunks straight from a memory mapping, uncompressed ones with one pread into the
-    result (a mapping's page faults halved that rate):
-    `sharding_indexed` with the index at the end (little-endian uint64 offset/nbytes pairs plus
-    crc32c), inner codecs bytes + zstd, bytes + blosc + crc32c, or bytes + crc32c. Every checksum
-    is checked. `for_array` returns None for any other layout, and the caller then uses zarr.
-    """
-
-    def __init__(self, root: DatasetRoot, arr: ArrayMeta, inner: list[dict[str, Any]]) -> None:
-        self.root = root
+    def __init__(self, arr: ArrayMeta, inner: list[dict[str, Any]]) -> None:
         self.arr = arr
         self.chunk_shape = tuple(int(n) for n in arr.chunks)
         self.per_shard = arr.grid[0] // self.chunk_shape[0]
         self.dtype = np.dtype(arr.dtype)
+        self.chunk_bytes = self.dtype.itemsize * int(np.prod(self.chunk_shape))
+        self.index_bytes = self.per_shard * 16 + 4
         self.inner = [codec["name"] for codec in inner]
+
+    def where(self, chunk: int) -> str:
+        return f"{self.arr.name} shard {chunk // self.per_shard}, batch {chunk}"
+
+    def parse_index(self, raw: bytes, shard: int) -> np.ndarray:
+        return parse_shard_index(raw, self.per_shard, f"{self.arr.name} shard {shard}")
+
+    def locate(self, index: np.ndarray, chunk: int) -> tuple[int, int]:
+        """Chunk `chunk`'s offset and size in its shard, from the shard's index."""
+        offset, nbytes = (int(v) for v in index[chunk % self.per_shard])
+        if offset == NO_CHUNK:  # zarr would read fill values; in a batchctl dataset it is damage
+            raise FormatError(
+                f"{self.arr.name} shard {chunk // self.per_shard}: batch {chunk} is missing from the shard"
+            )
+        return offset, nbytes
+
+    def stored_raw(self, nbytes: int) -> bool:
+        """Whether a chunk of `nbytes` stored bytes is its rows as they are, then a crc32c: then a
+        byte source may read it straight into the rows (and `check_raw` them)."""
+        return self.inner == ["bytes", "crc32c"] and nbytes == self.chunk_bytes + 4
+
+    def check_raw(self, rows: list[np.ndarray], stored_crc: bytes, chunk: int) -> None:
+        crc = 0
+        for row in rows:
+            crc = crc32c(row, crc)
+        if crc != int.from_bytes(stored_crc, "little"):
+            raise FormatError(f"{self.where(chunk)}: the chunk checksum does not match")
+
+    def decode_into(
+        self, chunk: int, data: memoryview, rows: list[np.ndarray], scratch: np.ndarray | None = None
+    ) -> None:
+        """Chunk `chunk`'s stored bytes `data` into `rows` (flat, laid end to end: `row_views`),
+        through `scratch` (a chunk's bytes) when there are several."""
+        whole = rows[0] if len(rows) == 1 else np.empty(self.chunk_bytes, np.uint8) if scratch is None else scratch
+        with corrupt_data_named(self.arr.name, chunk):
+            decode_chunk(self.inner, data, whole, self.where(chunk))
+        if len(rows) > 1:
+            spread(whole, rows)
+
+
+class ChunkReader(ChunkLayout):
+    """Reads one whole chunk (= one batch) of a numeric array straight from its local shard file.
+
+    zarr-python 3.1 reads a 9.6 MB batch of images at ~0.8 GB/s while zstd alone decodes it at
+    ~4 GB/s (benchmarks/read.py), so the reader decodes chunks of the layout written here itself,
+    compressed chunks straight from a memory mapping, uncompressed ones with one preadv into the
+    rows (a mapping's page faults halved that rate). `for_array` returns None for any other
+    layout, and the caller then uses zarr.
+    """
+
+    def __init__(self, root: DatasetRoot, arr: ArrayMeta, inner: list[dict[str, Any]]) -> None:
+        super().__init__(arr, inner)
+        self.root = root
         self._shards: dict[int, _OpenShard] = {}
         self._lock = threading.Lock()
         self._local = threading.local()
@@ -167,10 +217,9 @@ class ChunkReader:
     def _open(self, shard: int) -> _OpenShard:
         """The shard file, opened and mapped, and its index, checked against its crc32c."""
         file = self.root.open(self.arr.shard_key(shard), f"{self.arr.name} shard {shard}")
-        nbytes = self.per_shard * 16 + 4
         size = os.fstat(file.fileno()).st_size
-        raw = os.pread(file.fileno(), nbytes, size - nbytes) if size >= nbytes else b""
-        index = parse_shard_index(raw, self.per_shard, f"shard {shard}")
+        raw = os.pread(file.fileno(), self.index_bytes, size - self.index_bytes) if size >= self.index_bytes else b""
+        index = self.parse_index(raw, shard)
         mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
         return _OpenShard(file, mapped, index)
 
@@ -185,53 +234,35 @@ class ChunkReader:
         bytes (one buffer for the whole chunk, or one per row: the loader hands each row's place
         in the batch it will go to, so a shuffle costs no copy). Uncompressed chunks are read from
         the file straight into them; compressed ones decoded, then copied. Checksums are checked."""
-        views = row_views(rows, self.dtype.itemsize * int(np.prod(self.chunk_shape)))
-        with corrupt_data_named(self.arr.name, chunk):
-            self._read_rows(chunk, views)
+        views = row_views(rows, self.chunk_bytes)
+        held = self._shard(
+            chunk // self.per_shard
+        )  # kept while this read uses it: the file closes with the last holder
+        offset, nbytes = self.locate(held.index, chunk)
+        if self.stored_raw(nbytes):
+            self._read_raw(held.file, offset, views, chunk)
+        else:  # compressed chunks are decoded straight from the mapping (measured faster than pread here)
+            self.decode_into(chunk, memoryview(held.mapped)[offset : offset + nbytes], views, self._scratch())
 
-    def _read_rows(self, chunk: int, rows: list[np.ndarray]) -> None:
-        shard, position = divmod(chunk, self.per_shard)
-        where = f"{self.arr.name} shard {shard}, batch {chunk}"
-        held = self._shard(shard)  # kept while this read uses it: the file closes with the last holder
-        file, mapped, index = held.file, held.mapped, held.index
-        offset, nbytes = (int(v) for v in index[position])
-        if offset == NO_CHUNK:  # zarr would read fill values; in a batchctl dataset it is damage
-            raise FormatError(f"{self.arr.name} shard {shard}: batch {chunk} is missing from the shard")
-        size = sum(row.nbytes for row in rows)
-        if self.inner == ["bytes", "crc32c"] and nbytes == size + 4:
-            # uncompressed: read into the buffers by the kernel, as np.load does; no mapping, no copy
-            stored = bytearray(4)
-            buffers = [*(row.data for row in rows), memoryview(stored)]
-            at = offset
-            for start in range(0, len(buffers), _IOV_MAX):
-                part = buffers[start : start + _IOV_MAX]
-                want = sum(b.nbytes for b in part)
-                if os.preadv(file.fileno(), part, at) != want:
-                    raise FormatError(f"{where}: the shard file is truncated")
-                at += want
-            crc = 0
-            for row in rows:
-                crc = crc32c(row, crc)
-            if crc != int.from_bytes(stored, "little"):
-                raise FormatError(f"{where}: the chunk checksum does not match")
-            return
-        if len(rows) == 1:
-            self._decode(where, mapped, offset, nbytes, rows[0])
-            return
-        whole = self._scratch(size)
-        self._decode(where, mapped, offset, nbytes, whole)
-        spread(whole, rows)
+    def _read_raw(self, file: io.FileIO, offset: int, rows: list[np.ndarray], chunk: int) -> None:
+        """An uncompressed chunk read into the buffers by the kernel, as np.load does (no mapping, no copy)."""
+        stored = bytearray(4)
+        buffers = [*(row.data for row in rows), memoryview(stored)]
+        at = offset
+        for start in range(0, len(buffers), _IOV_MAX):
+            part = buffers[start : start + _IOV_MAX]
+            want = sum(b.nbytes for b in part)
+            if os.preadv(file.fileno(), part, at) != want:
+                raise FormatError(f"{self.where(chunk)}: the shard file is truncated")
+            at += want
+        self.check_raw(rows, bytes(stored), chunk)
 
-    def _scratch(self, size: int) -> np.ndarray:
+    def _scratch(self) -> np.ndarray:
         """This thread's buffer for a decoded chunk whose rows go elsewhere (reused: warm pages)."""
         scratch = getattr(self._local, "scratch", None)
-        if scratch is None or scratch.nbytes != size:
-            scratch = self._local.scratch = np.empty(size, np.uint8)
-        return scratch
-
-    def _decode(self, where: str, mapped: mmap.mmap, offset: int, nbytes: int, out: np.ndarray) -> None:
-        # compressed chunks are decoded straight from the mapping (measured faster than pread here)
-        decode_chunk(self.inner, memoryview(mapped)[offset : offset + nbytes], out, where)
+        if scratch is None:
+            scratch = self._local.scratch = np.empty(self.chunk_bytes, np.uint8)
+        return cast(np.ndarray, scratch)
 
 
 class _OpenShard:

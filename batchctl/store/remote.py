@@ -26,8 +26,8 @@ from batchctl.errors import FormatError
 from batchctl.records import describe_error
 from batchctl.store import storage
 from batchctl.store.cache import ChunkCache
-from batchctl.store.chunkread import corrupt_data_named, decode_chunk, row_views, spread
-from batchctl.store.codec import NO_CHUNK, own_codecs, parse_shard_index
+from batchctl.store.chunkread import ChunkLayout, row_views
+from batchctl.store.codec import NO_CHUNK, own_codecs
 from batchctl.store.storage import StoreError
 from batchctl.store.zarrmeta import ArrayMeta
 
@@ -209,18 +209,14 @@ class RemoteStore:
             return self.fetch([where], cached=False)[0][0]
 
 
-class RemoteChunkReader:
-    """One array of a dataset at a URL, read chunk by chunk through its `RemoteStore`. As in
-    `ChunkReader`, every checksum is checked and a missing shard or chunk is damage, not fill
-    values (zarr-python checks for the shard, then reads it through its own per-read path)."""
+class RemoteChunkReader(ChunkLayout):
+    """One array of a dataset at a URL, read chunk by chunk through its `RemoteStore`: the bytes
+    come from ranged reads, everything else (index, checks, decoding) is `ChunkLayout`'s, as for
+    a local file."""
 
     def __init__(self, store: RemoteStore, arr: ArrayMeta, inner: list[dict[str, Any]]) -> None:
-        self.store, self.arr = store, arr
-        self.chunk_shape = tuple(int(n) for n in arr.chunks)
-        self.per_shard = arr.grid[0] // self.chunk_shape[0]
-        self.dtype = np.dtype(arr.dtype)
-        self.chunk_bytes = self.dtype.itemsize * int(np.prod(self.chunk_shape))
-        self.inner = [codec["name"] for codec in inner]
+        super().__init__(arr, inner)
+        self.store = store
         self.indexes: dict[int, np.ndarray] = {}  # shard -> its index, kept once fetched
         self.small: dict[int, tuple[int, int]] = {}  # shard -> the span of its chunks, where small
         self._spans: OrderedDict[int, bytes] = OrderedDict()  # small shards' chunks, the last used kept
@@ -235,10 +231,10 @@ class RemoteChunkReader:
         return f"{self.store.root}/{self.arr.shard_key(shard)}"
 
     def index_range(self, shard: int) -> Range:
-        return Range(self._path(shard), -(self.per_shard * 16 + 4), None, f"{self.arr.name}/index/{shard}")
+        return Range(self._path(shard), -self.index_bytes, None, f"{self.arr.name}/index/{shard}")
 
     def keep_index(self, shard: int, raw: bytes) -> None:
-        index = parse_shard_index(raw, self.per_shard, f"{self.arr.name} shard {shard}")
+        index = self.parse_index(raw, shard)
         present = index[index[:, 0] != NO_CHUNK]
         if len(present):
             start, end = int(present[:, 0].min()), int((present[:, 0] + present[:, 1]).max())
@@ -248,11 +244,8 @@ class RemoteChunkReader:
 
     def _chunk_at(self, chunk: int) -> tuple[int, int, int]:
         """Chunk `chunk`'s shard, offset and size in it (its shard's index known)."""
-        shard, position = divmod(chunk, self.per_shard)
-        offset, nbytes = (int(v) for v in self.indexes[shard][position])
-        if offset == NO_CHUNK:
-            raise FormatError(f"{self.arr.name} shard {shard}: batch {chunk} is missing from the shard")
-        return shard, offset, nbytes
+        shard = chunk // self.per_shard
+        return (shard, *self.locate(self.indexes[shard], chunk))
 
     def chunk_range(self, chunk: int) -> Range:
         """What to fetch for chunk `chunk`: its bytes, or, in a small shard, every chunk's (kept)."""
@@ -274,17 +267,12 @@ class RemoteChunkReader:
         """Chunk `chunk` into `rows` (C-contiguous buffers laid end to end) from `data`, the bytes
         of `where` (its `chunk_range`); a small shard's chunks are kept for its other batches."""
         views = row_views(rows, self.chunk_bytes)
-        whole = views[0] if len(views) == 1 else np.empty(self.chunk_bytes, np.uint8)
         shard, offset, nbytes = self._chunk_at(chunk)
-        with corrupt_data_named(self.arr.name, chunk):
-            if len(data) != cast(int, where.end) - where.start:
-                raise FormatError(f"{self.arr.name} batch {chunk}: the shard object is truncated")
-            piece = memoryview(data)[offset - where.start : offset - where.start + nbytes]
-            decode_chunk(self.inner, piece, whole, f"{self.arr.name} shard {shard}, batch {chunk}")
+        if len(data) != cast(int, where.end) - where.start:
+            raise FormatError(f"{self.where(chunk)}: the shard object is truncated")
+        self.decode_into(chunk, memoryview(data)[offset - where.start : offset - where.start + nbytes], views)
         if shard in self.small:
             with self._lock:
                 self._spans[shard] = data
                 while len(self._spans) > _SMALL_SHARDS_KEPT:
                     self._spans.popitem(last=False)
-        if len(views) > 1:
-            spread(whole, views)
