@@ -98,6 +98,7 @@ class _Builder:
         self.report = BuildReport(str(source), output)
         self.tally = Tally(self.report, progress, options.max_errors)
         self.started = time.monotonic()
+        self.marks: dict[str, float] = {}  # when the start's stages ended (`_time_stages`)
         self.digests: dict[str, str] = {}  # --checksum: each input's content hash
 
     def run(self) -> BuildReport:
@@ -139,6 +140,7 @@ class _Builder:
         if not self.options.force and self._up_to_date(fingerprint):
             return self._end("up_to_date")
         self.work.check_replaceable()
+        self.marks["discovered"] = time.monotonic()
         if self.options.engine == "local":
             refuse_main_children_cannot_run()
             start_forkserver()  # there is work (the CLI started it already): its preloads run alongside our planning
@@ -152,6 +154,7 @@ class _Builder:
         written = start.written()
         tasks = make_tasks(self.preprocessor, self.pp_options, self.source, discovery.items, written, start.only)
         check_signalled()
+        self.marks["planned"] = time.monotonic()
         self.tally.files = len(discovery.items) + len(discovery.unreadable)
         for relpath, reason in discovery.unreadable:
             self.tally.error(relpath, reason)
@@ -268,6 +271,10 @@ class _Builder:
         timings = self.report.timings
         if pipeline.dispatching is not None and pipeline.last_result is not None:
             timings["start_s"] = pipeline.dispatching - self.started
+            if {"discovered", "planned"} <= self.marks.keys():
+                timings["discover_s"] = self.marks["discovered"] - self.started
+                timings["plan_s"] = self.marks["planned"] - self.marks["discovered"]
+                timings["pool_s"] = pipeline.dispatching - self.marks["planned"]
             timings["preprocess_s"] = pipeline.last_result - pipeline.dispatching
             timings["finish_s"] = time.monotonic() - pipeline.last_result
         timings.update(fsync_s=finished.fsync_s, writer_wait_s=finished.wait_s)

@@ -400,6 +400,7 @@ def _check_writable_destination(path: Path | None, option: str) -> None:
 
 
 def _finish(result: BuildReport, report_path: Path | None, quiet: bool) -> None:
+    result.time_before_build()
     if report_path is not None:
         result.write(report_path)
     if not quiet:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -62,15 +63,29 @@ class BuildReport:
     ignored_paths: list[str] = field(default_factory=list)  # the first 1000 of them
     elapsed_s: float = 0.0
     samples_per_s: float = 0.0
-    # Where the time went (seconds): `start_s` (from the build's start until the first files could
-    # go to a worker), `preprocess_s` (until the last file's result), `finish_s` (until the
-    # collator wrote its last batches and the last shard's index), `publish_s`; and, within these,
-    # the collator's `fsync_s` (making shard files durable) and `writer_wait_s` (waiting for its
-    # writer threads). The first three where a local build preprocessed files; Dask: `publish_s`.
+    # Where the time went (seconds): `before_build_s` (from the command's process start: the
+    # interpreter, imports and the command line; the CLI only), `start_s` (from the build's start
+    # until the first files could go to a worker: `discover_s` listing SOURCE and checking OUTPUT,
+    # `plan_s` planning the start and making the tasks, `pool_s` starting the collator and the
+    # workers), `preprocess_s` (until the last file's result), `finish_s` (until the collator
+    # wrote its last batches and the last shard's index), `publish_s`; and, within these, the
+    # collator's `fsync_s` (making shard files durable) and `writer_wait_s` (waiting for its
+    # writer threads). `start_s` to `finish_s` where a local build preprocessed files; Dask: `publish_s`.
     timings: dict[str, float] = field(default_factory=dict)
     message: str = ""
     workers_seen: list[str] = field(default_factory=list)  # --engine dask: host:pid of each worker used
     in_place: bool = False  # the dataset at OUTPUT is being written in place (an object store has no rename)
+
+    def time_before_build(self) -> None:
+        """Note `before_build_s`: how long this process ran before the build (Linux: its start
+        time in /proc; elsewhere nothing is noted)."""
+        try:
+            ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+            uptime = float(Path("/proc/uptime").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            return
+        age = uptime - ticks / os.sysconf("SC_CLK_TCK") - self.elapsed_s
+        self.timings["before_build_s"] = round(max(age, 0.0), 3)
 
     def to_json(self) -> dict[str, Any]:
         """The report; an incremental build's `added`, `changed` and `removed` at the top level,
