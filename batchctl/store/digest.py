@@ -92,7 +92,7 @@ def content_digest(
 
 
 def _file_sha256(files: DatasetFiles, key: str) -> str:
-    """Read in pieces (a shard may be 128 MiB or more; memory stays a few hundred KiB a thread)."""
+    """A document's SHA-256 (an array's `zarr.json`), read in pieces."""
     try:
         if files.remote:
             fs, root = storage.locate(files.location, files.storage_options)
