@@ -109,11 +109,15 @@ class _Stream:
 
 
 class MixedLoader:
-    """Batches of a mixture for one rank, epoch after epoch, with a resume state: `batchctl.mix`."""
+    """A loader over several datasets (opened ones, subsets, or paths/URLs) at `weights`, for one
+    rank, epoch after epoch, with a resume state (`batchctl.mix`): every batch holds `batch_size`
+    apportioned to the weights (exact in every batch), a `dataset` field saying each row's source
+    (its index in `sources`), and the fields the sources share (or `fields`). See the module's
+    docstring for epochs, repeats and resume."""
 
     def __init__(
         self,
-        sources: Mapping[str, Readable],
+        sources: Mapping[str, Readable | str | os.PathLike[str]],
         weights: Mapping[str, float],
         batch_size: int,
         epoch_size: int | None = None,
@@ -521,28 +525,7 @@ def _version(dataset: BatchSource) -> dict[str, Any]:
     return version
 
 
-def mix(
-    sources: Mapping[str, Readable | str | os.PathLike[str]],
-    weights: Mapping[str, float],
-    batch_size: int,
-    epoch_size: int | None = None,
-    shuffle: bool = True,
-    seed: int = 0,
-    mix: int = 16,
-    rank: int = 0,
-    world_size: int = 1,
-    prefetch: int | None = None,
-    fields: Sequence[str] | None = None,
-    partitions: int | None = None,
-) -> MixedLoader:
-    """A loader over several datasets (opened ones, subsets, or paths/URLs) at `weights`: every
-    batch holds `batch_size` apportioned to the weights (exact in every batch), a `dataset` field
-    saying each row's source (its index in `sources`), and the fields the sources share (or
-    `fields`). See `read/mixture.py` for epochs, repeats and resume."""
-    opened: dict[str, Any] = {name: source for name, source in sources.items()}
-    return MixedLoader(
-        opened, weights, batch_size, epoch_size, shuffle, seed, mix, rank, world_size, prefetch, fields, partitions
-    )
+mix = MixedLoader  # `batchctl.mix(...)`: the public name
 
 
 __all__ = ["DATASET", "MixedLoader", "counts", "mix"]
