@@ -13,26 +13,16 @@ from typing import Any, Protocol
 import numpy as np
 
 from batchctl.errors import UsageError
-from batchctl.read.loader import Batch, Loader
+from batchctl.read.loader import Batch, BatchSource, Loader
 from batchctl.store.metadata import LABEL, SOURCE
 
 SPLIT_VERSION = 1  # the hash a split is drawn from: raise if it changes (every file's split would)
 
 
-class Readable(Protocol):
-    """What a view is made of: a `batchctl.Dataset`, or another view."""
+class Readable(BatchSource, Protocol):
+    """What a view is made of: a `batchctl.Dataset`, or another view (what a loader reads, and more)."""
 
-    path: str
-    build_id: str
-    batch_size: int
-    num_samples: int
     num_batches: int
-    remote: bool
-
-    @property
-    def selected(self) -> np.ndarray | None: ...
-
-    stored_rows: int
     classes: list[str] | None
 
     @property
@@ -40,15 +30,6 @@ class Readable(Protocol):
 
     @property
     def storage_options(self) -> Mapping[str, object]: ...
-
-    @property
-    def fields(self) -> dict[str, tuple[tuple[int, ...], np.dtype[Any]]]: ...
-
-    def __getitem__(self, index: int) -> Batch: ...
-
-    def read_batch(
-        self, index: int, into: Mapping[str, list[np.ndarray]] | None = None, fields: list[str] | None = None
-    ) -> Batch: ...
 
     def check_cache_holds(self, prefetch: int) -> None: ...
 
