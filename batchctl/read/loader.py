@@ -23,7 +23,7 @@ from typing import Any, Protocol, cast
 import numpy as np
 
 from batchctl.errors import ResumeMismatchError, UsageError, warn
-from batchctl.read.order import EpochOrder, OrderOptions, family_problem, rank_batches
+from batchctl.read.order import EpochOrder, OrderOptions, check_rank, family_problem, rank_batches
 from batchctl.store.metadata import SOURCE
 
 STATE_FORMAT = "batchctl.loader/1"
@@ -106,10 +106,7 @@ class Loader:
         partitions: int | None = None,
     ) -> None:
         self.dataset = dataset
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise UsageError(f"Expected world_size to be a positive int, got {world_size!r} instead.")
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-            raise UsageError(f"Expected 0 <= rank < world_size, got rank {rank!r}, world_size {world_size} instead.")
+        check_rank(rank, world_size)
         self.rank, self.world_size = rank, world_size
         size = dataset.batch_size if batch_size is None else batch_size
         # partitions not given: one per rank, fixed by the run that starts (a loaded state's are taken)

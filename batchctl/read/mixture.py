@@ -33,7 +33,7 @@ import numpy as np
 
 from batchctl.errors import ResumeMismatchError, UsageError
 from batchctl.read.loader import Batch, BatchSource, default_prefetch, read_into
-from batchctl.read.order import EpochOrder, OrderOptions, family_problem, rank_batches
+from batchctl.read.order import EpochOrder, OrderOptions, check_rank, family_problem, rank_batches
 from batchctl.read.views import FieldsOf, Readable
 from batchctl.store.metadata import SOURCE
 
@@ -139,10 +139,7 @@ class MixedLoader:
             batch_size, bool(shuffle), seed, mix, True, world_size if partitions is None else partitions
         )
         checked = checked.checked()
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise UsageError(f"Expected world_size to be a positive int, got {world_size!r} instead.")
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-            raise UsageError(f"Expected 0 <= rank < world_size, got rank {rank!r}, world_size {world_size} instead.")
+        check_rank(rank, world_size)
         if problem := family_problem(checked.partitions, world_size):
             raise UsageError(problem[0].upper() + problem[1:])
         if epoch_size is not None and (

@@ -257,6 +257,14 @@ def _visit_order(stored: int, mix: int, rng: np.random.Generator) -> tuple[np.nd
     return np.concatenate([groups[rng.permutation(full)].reshape(-1), partial]), mix
 
 
+def check_rank(rank: int, world_size: int) -> None:
+    """A UsageError unless `world_size` is a positive int and `rank` one of its ranks."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise UsageError(f"Expected world_size to be a positive int, got {world_size!r} instead.")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise UsageError(f"Expected 0 <= rank < world_size, got rank {rank!r}, world_size {world_size} instead.")
+
+
 def rank_batches(total: int, position: int, rank: int, world_size: int, drop_last: bool) -> Sequence[int]:
     """The output batches rank `rank` takes from `position` on (a position counts the batches all
     ranks together have taken: it is the same number on every rank)."""
