@@ -69,12 +69,19 @@ class _Stream:
         self.name, self.dataset = name, dataset
         seed = int.from_bytes(hashlib.sha256(f"{options.seed}\0{name}".encode()).digest()[:4], "big")
         self.order_options = OrderOptions(1, options.shuffle, seed, options.mix, False, options.partitions)
+        self._orders: OrderedDict[int, EpochOrder] = OrderedDict()  # a few recent cycles, shared by the partitions
         self._shares: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
         self._lengths: dict[int, list[int]] = {}  # partition -> each cycle's share length, as far as known
 
     def order(self, cycle: int) -> EpochOrder:
-        ds = self.dataset
-        return EpochOrder(ds.num_samples, ds.batch_size, self.order_options, cycle, ds.selected, ds.stored_rows)
+        order = self._orders.get(cycle)
+        if order is None:
+            ds = self.dataset
+            order = EpochOrder(ds.num_samples, ds.batch_size, self.order_options, cycle, ds.selected, ds.stored_rows)
+            self._orders[cycle] = order
+            if len(self._orders) > 4:
+                self._orders.popitem(last=False)
+        return order
 
     def share(self, cycle: int, partition: int) -> np.ndarray:
         """Partition `partition`'s rows of cycle `cycle`, in order (global row indices)."""
@@ -150,12 +157,6 @@ class MixedLoader:
         self.options = MixOptions(
             checked.batch_size, checked.shuffle, checked.seed, checked.mix, checked.partitions, epoch_size
         )
-        self.batch_size, self.shuffle, self.seed, self.mix = (
-            checked.batch_size,
-            checked.shuffle,
-            checked.seed,
-            checked.mix,
-        )
         self.opened = {name: _opened(ds) for name, ds in sources.items()}  # as given (paths opened)
         self.fields_asked = None if fields is None else list(fields)
         self.sources: dict[str, BatchSource] = {
@@ -163,7 +164,7 @@ class MixedLoader:
         }
         self.fields = _shared_fields(self.sources)
         # one group of each source ahead: the reads of every source share the window (`_MixReads`)
-        self.prefetch = default_prefetch(self.mix, self.shuffle, remote=True) if prefetch is None else prefetch
+        self.prefetch = default_prefetch(checked.mix, checked.shuffle, remote=True) if prefetch is None else prefetch
         self.weights = {name: float(weights[name]) for name in self.names}
         self.counts = counts([self.weights[n] for n in self.names], self.batch_size)
         if 0 in self.counts:
@@ -173,9 +174,25 @@ class MixedLoader:
                 "raise its weight or batch_size"
             )
         self._streams = self._make_streams()
-        self.epoch, self.position = 0, 0
-        self._reset_anchors()
         self.steps = self._steps()
+        self.epoch, self.position = 0, 0
+        self._place_streams()
+
+    @property
+    def batch_size(self) -> int:
+        return self.options.batch_size
+
+    @property
+    def shuffle(self) -> bool:
+        return self.options.shuffle
+
+    @property
+    def seed(self) -> int:
+        return self.options.seed
+
+    @property
+    def mix(self) -> int:
+        return self.options.mix
 
     def _make_streams(self) -> list[_Stream]:
         """Each source's stream; one with fewer stored batches than partitions is refused (each
@@ -193,10 +210,14 @@ class MixedLoader:
 
     # --- the order --------------------------------------------------------------------------
 
-    def _reset_anchors(self) -> None:
-        """Each source's stream offset per partition, and the step of the epoch it holds at."""
+    def _place_streams(self) -> None:
+        """Each source's stream offset per partition at the current epoch's start (as if the
+        current weights had held since the first epoch), anchored at its step 0."""
         self.anchor_steps = [0] * self.options.partitions
-        self.offsets = {name: [0] * self.options.partitions for name in self.names}
+        self.offsets = {
+            name: [self.epoch * self.steps * count] * self.options.partitions
+            for name, count in zip(self.names, self.counts, strict=True)
+        }
 
     def _steps(self) -> int:
         """Batches of each partition a mixture epoch has."""
@@ -243,11 +264,7 @@ class MixedLoader:
             raise UsageError(f"Expected epoch to be an int >= 0, got {epoch!r} instead.")
         if epoch != self.epoch:
             self.epoch, self.position = int(epoch), 0
-            self.anchor_steps = [0] * self.options.partitions
-            self.offsets = {
-                name: [int(epoch) * self.steps * count] * self.options.partitions
-                for name, count in zip(self.names, self.counts, strict=True)
-            }
+            self._place_streams()
 
     def _next_epoch(self) -> None:
         for name, count in zip(self.names, self.counts, strict=True):
@@ -352,8 +369,7 @@ class MixedLoader:
             self.options = dataclasses.replace(self.options, partitions=partitions)
             self._streams = self._make_streams()
             self.steps = self._steps()
-            epoch, self.epoch = self.epoch, -1
-            self.set_epoch(epoch)  # the streams' places, per partition now
+            self._place_streams()  # per partition now
 
     def at_epoch(self, epoch: int) -> None:
         """Move the streams to mixture epoch `epoch`'s start, unless this loader is in it."""
