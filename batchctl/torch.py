@@ -214,7 +214,7 @@ class IterableBatches(IterableDataset[dict[str, Any]]):
         if self._partitions is None and self._workers_said.value:
             self._loader().with_partitions(self._workers_said.value)
         current = self._current()
-        return len(self._rank_steps(current)) - current.yielded  # a DataLoader's main process hands out none itself
+        return len(self._loader().batches(current.start, current.epoch)) - current.yielded  # (all workers together)
 
     def _current(self) -> _Pass:
         """The pass this process is in or will take up: its own (running, left part way, loaded)
@@ -223,9 +223,6 @@ class IterableBatches(IterableDataset[dict[str, Any]]):
         if self._pass is None or self._pass.seen != epoch:
             self._pass = _Pass(epoch, seen=epoch)
         return self._pass
-
-    def _rank_steps(self, current: _Pass) -> Sequence[int]:
-        return self._loader().batches(current.start, current.epoch)
 
     def _epoch_of_this_pass(self) -> int:
         """The shared epoch, or the one a DataLoader worker of this same pass moved it on from
@@ -261,7 +258,8 @@ class IterableBatches(IterableDataset[dict[str, Any]]):
             self._partitions = self._workers_said.value = self.world_size * workers
         self._loader().with_partitions(self._partitions, workers)
         current = self._current()
-        return self._run(current, self._rank_steps(current)[worker::workers][current.yielded :])
+        steps = self._loader().batches(current.start, current.epoch, worker, workers)
+        return self._run(current, steps[current.yielded :])
 
     def _run(self, current: _Pass, steps: Sequence[int]) -> Iterator[dict[str, Any]]:
         loader = self._loader()
@@ -320,7 +318,7 @@ class IterableBatches(IterableDataset[dict[str, Any]]):
                     f"{world} ranks (this is {self.world_size}); a state saved with num_workers=0 resumes on any number"
                 )
             position, yielded = position + yielded * world, 0
-        share = len(self._loader().batches(position, state["epoch"])[worker::workers])
+        share = len(self._loader().batches(position, state["epoch"], worker, workers))
         if yielded > share:
             raise ResumeMismatchError(
                 f"the state's yielded {yielded} is more than the {share} steps this share of the epoch has"

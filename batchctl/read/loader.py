@@ -23,7 +23,7 @@ from typing import Any, Protocol, cast
 import numpy as np
 
 from batchctl.errors import ResumeMismatchError, UsageError, warn
-from batchctl.read.order import EpochOrder, OrderOptions, check_rank, family_problem, rank_batches
+from batchctl.read.order import EpochOrder, OrderOptions, check_rank, consumer_steps, family_problem
 from batchctl.store.metadata import SOURCE
 
 STATE_FORMAT = "batchctl.loader/1"
@@ -162,11 +162,14 @@ class Loader:
             self.epoch, self.position = int(epoch), 0
         self._loaded = None
 
-    def batches(self, position: int | None = None, epoch: int | None = None) -> Sequence[int]:
-        """This rank's output batches of `epoch` from `position` (default: the current ones)."""
+    def batches(
+        self, position: int | None = None, epoch: int | None = None, worker: int = 0, workers: int = 1
+    ) -> Sequence[int]:
+        """This rank's output batches of `epoch` from `position` (default: the current ones), or
+        DataLoader worker `worker` of `workers`'s share of them."""
         position = self.position if position is None else position
         total = self.order(epoch).batches
-        return rank_batches(total, position, self.rank, self.world_size, self.options.drop_last)
+        return consumer_steps(total, position, self.rank, self.world_size, self.options.drop_last, worker, workers)
 
     def __len__(self) -> int:
         """This rank's steps left in the current epoch (all of them before a pass begins)."""

@@ -33,7 +33,7 @@ import numpy as np
 
 from batchctl.errors import ResumeMismatchError, UsageError
 from batchctl.read.loader import Batch, BatchSource, default_prefetch, read_into
-from batchctl.read.order import EpochOrder, OrderOptions, check_rank, family_problem, rank_batches
+from batchctl.read.order import EpochOrder, OrderOptions, check_rank, consumer_steps, family_problem
 from batchctl.read.views import FieldsOf, Readable
 from batchctl.store.metadata import SOURCE
 
@@ -249,10 +249,13 @@ class MixedLoader:
             spans.append((p, start, start + count))
         return spans
 
-    def batches(self, position: int | None = None, epoch: int | None = None) -> Sequence[int]:
-        """This rank's batches of an epoch from `position` (every mixture epoch has as many)."""
+    def batches(
+        self, position: int | None = None, epoch: int | None = None, worker: int = 0, workers: int = 1
+    ) -> Sequence[int]:
+        """This rank's batches of an epoch from `position` (every mixture epoch has as many), or
+        DataLoader worker `worker` of `workers`'s share of them."""
         position = self.position if position is None else position
-        return rank_batches(self.total, position, self.rank, self.world_size, True)
+        return consumer_steps(self.total, position, self.rank, self.world_size, True, worker, workers)
 
     def __len__(self) -> int:
         return len(self.batches())
