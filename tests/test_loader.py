@@ -23,7 +23,7 @@ import pytest
 import batchctl
 from batchctl.read.loader import Loader
 from tests.conftest import ROOT, run_cli
-from tests.ranks import run_ranks, stored_bytes
+from tests.ranks import bytes_read, run_ranks, stored_bytes
 
 CLASSES, PER_CLASS, STORED = 5, 41, 8  # 205 samples: 25 full stored batches and a short one
 WIDTH = 1024  # int32s per row: 4 KiB, so uncompressed rows are read straight into output batches
@@ -652,21 +652,16 @@ def test_too_many_ranks_or_too_big_a_batch_for_an_epoch_is_one_line_not_an_empty
     assert {n for share in padded for batch in share for n in batch} == set(range(ds.num_samples))
 
 
-def _bytes_read() -> int:
-    """What this process (every thread) has read so far, as the kernel counts it."""
-    return int(next(line for line in Path("/proc/self/io").read_text().splitlines() if line.startswith("rchar"))[7:])
-
-
 @pytest.mark.parametrize("mix", [1, 4])
 def test_fields_reads_only_those_arrays_in_the_same_order(numbered: Path, mix: int) -> None:
     ds = batchctl.open(numbered)
-    before = _bytes_read()
+    before = bytes_read()
     full = list(ds.loader(batch_size=6, mix=mix, seed=2))
-    everything = _bytes_read() - before
+    everything = bytes_read() - before
     opened = batchctl.open(numbered)  # (its documents read here, not counted)
-    before = _bytes_read()
+    before = bytes_read()
     labels = list(opened.loader(batch_size=6, mix=mix, seed=2, fields=["label"]))
-    only_labels = _bytes_read() - before
+    only_labels = bytes_read() - before
     assert [sorted(b) for b in labels] == [["label"]] * len(full)
     assert [b["label"].tolist() for b in labels] == [b["label"].tolist() for b in full]  # the same order
     assert only_labels < 0.02 * everything, (only_labels, everything)  # rows of 4 KiB not read
@@ -698,13 +693,13 @@ def test_a_subset_gives_its_rows_once_an_epoch_reads_only_its_batches_and_resume
     glob = ds.subset(source="c2/*", rows=np.arange(CLASSES * PER_CLASS) < 100)  # and among the first 100 rows
     want_glob = {int(path.rsplit("s", 1)[1].split(".")[0]) for path in stored[:100] if path.startswith("c2/")}
     assert want_glob and {n for b in glob.loader(batch_size=5, drop_last=False) for n in ids(b)} == want_glob
-    before = _bytes_read()
+    before = bytes_read()
     list(ds.loader(batch_size=6, mix=4))
-    everything = _bytes_read() - before
+    everything = bytes_read() - before
     one = ds.subset(labels=["c1"])  # 41 rows of 205: 6 or 7 of the 26 stored batches
-    before = _bytes_read()
+    before = bytes_read()
     list(one.loader(batch_size=6, mix=4))
-    assert _bytes_read() - before < 0.35 * everything
+    assert bytes_read() - before < 0.35 * everything
     loader = by_class.loader(batch_size=6, mix=4)
     head = [ids(b) for _, b in zip(range(4), loader, strict=False)]
     state = loader.state_dict()
