@@ -24,6 +24,8 @@ from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
+
 from batchctl.errors import FormatError
 from batchctl.store import storage
 from batchctl.store.codec import NO_CHUNK, parse_shard_index
@@ -112,23 +114,29 @@ def shard_file_hash(files: DatasetFiles, key: str, per_shard: int) -> str:
     scheme (`damaged: ...`) where the file is not a shard whose chunks and index tile it."""
     try:
         with _reader(files, key) as (size, read):
-            nbytes = per_shard * 16 + 4
-            raw = read(size - nbytes, size) if size >= nbytes else b""
             try:
-                index = parse_shard_index(raw, per_shard)
+                raw, present = _index_of(size, read, per_shard)
             except FormatError:
                 return "damaged: its index does not read"
-            present = index[index[:, 0] != NO_CHUNK]
             ends = sorted((int(offset), int(offset + length)) for offset, length in present)
             if [start for start, _ in ends] != [0, *(end for _, end in ends[:-1])] or (
                 ends[-1][1] if ends else 0
-            ) + nbytes != size:
+            ) + len(raw) != size:
                 return "damaged: its chunks and index do not tile it"
             return shard_hash((hashlib.sha256(read(int(o), int(o + n))).digest() for o, n in present), raw)
     except FileNotFoundError:
         return "missing"
     except NotRegularFile:
         return "not a regular file"
+
+
+def _index_of(size: int, read: Callable[[int, int], bytes], per_shard: int) -> tuple[bytes, np.ndarray]:
+    """A shard file's index bytes (read from its end) and its present chunks' (offset, nbytes),
+    in index order; a FormatError when the index does not read."""
+    nbytes = per_shard * 16 + 4
+    raw = read(size - nbytes, size) if size >= nbytes else b""
+    index = parse_shard_index(raw, per_shard)
+    return raw, index[index[:, 0] != NO_CHUNK]
 
 
 @contextlib.contextmanager
@@ -159,17 +167,15 @@ def shard_problem(files: DatasetFiles, key: str, per_shard: int, known: str | No
             return None
         return found if found in ("missing", "not a regular file") else "its bytes are not those it was written with"
     try:
-        size = files.size(key)
-        if size < 0:
-            return "missing"
-        raw = files.read_range(key, size - (per_shard * 16 + 4), size) if size >= per_shard * 16 + 4 else b""
-        index = parse_shard_index(raw, per_shard)
+        with _reader(files, key) as (size, read):
+            raw, present = _index_of(size, read, per_shard)
+    except FileNotFoundError:
+        return "missing"
     except NotRegularFile:
         return "not a regular file"
     except (OSError, FormatError) as exc:
         return str(exc)
-    present = index[index[:, 0] != NO_CHUNK]
     end = int((present[:, 0] + present[:, 1]).max()) if len(present) else 0
-    if end + per_shard * 16 + 4 != size:
-        return f"it holds {size} bytes, its index says {end + per_shard * 16 + 4}"
+    if end + len(raw) != size:
+        return f"it holds {size} bytes, its index says {end + len(raw)}"
     return None
