@@ -190,6 +190,17 @@ def du(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
+def linked_copies(src: Path, dest: Path, times: int) -> None:
+    """`times` hard links of every file of `src` under `dest`, in the same folders: a set
+    `times` as big for nothing (the same files under other names)."""
+    for path in src.rglob("*"):
+        if path.is_file():
+            folder = dest / path.parent.relative_to(src)
+            folder.mkdir(parents=True, exist_ok=True)
+            for k in range(times):
+                os.link(path, folder / f"{k}_{path.name}")
+
+
 def batchctl_cmd(src: Path, out: Path, workers: int, *extra: str) -> list[str]:
     return [
         sys.executable,
@@ -308,11 +319,7 @@ def bench_images(root: Path, count: int, results: dict[str, Any]) -> None:
     rows += litdata_rows(root, src, count, r)
     # memory: N vs 4N files of the same kind (hard links to the same images under other names)
     big = root / "images4x"
-    for copy in range(4):
-        for path in files:
-            target = big / path.parent.name / f"{copy}_{path.name}"
-            target.parent.mkdir(parents=True, exist_ok=True)
-            os.link(path, target)
+    linked_copies(src, big, 4)
     threads_n: Threads = {}
     threads_4n: Threads = {}
     elapsed_n, peak_n, _ = run_measured(batchctl_cmd(src, root / "mem1.zarr", CORES), threads_n)

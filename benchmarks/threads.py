@@ -8,7 +8,6 @@ with 2 workers) and each thread's CPU per sample against a photo worker's."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -22,7 +21,7 @@ REPEATS = 2  # the lower figure of each role over the repeats: other jobs share 
 
 
 def bench_threads(root: Path, results: dict[str, Any], photos: int = 1000, npys: int = 2000) -> None:
-    from run import CORES, batchctl_cmd, run_measured, serial_fraction
+    from run import CORES, batchctl_cmd, linked_copies, run_measured, serial_fraction
 
     def table(small: Path, big: Path, where: Path, extra: tuple[str, ...] = ()) -> dict[str, Any]:
         best: dict[str, Any] | None = None
@@ -45,7 +44,7 @@ def bench_threads(root: Path, results: dict[str, Any], photos: int = 1000, npys:
 
     src, big = root / "threads-photos", root / "threads-photos-4x"
     make_image_folder(src, photos, sides=(300, 700))
-    _copies(src, big, 4)
+    linked_copies(src, big, 4)
     figures: dict[str, Any] = {"workers": CORES, "photos": table(src, big, root)}
     shm = Path(tempfile.mkdtemp(prefix="batchctl-threads-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
     try:
@@ -55,7 +54,7 @@ def bench_threads(root: Path, results: dict[str, Any], photos: int = 1000, npys:
             folder = small_npy / f"c{i % 10}"
             folder.mkdir(parents=True, exist_ok=True)
             np.save(folder / f"{i:05d}.npy", rng.integers(0, 256, (224, 224, 3), dtype=np.uint8))
-        _copies(small_npy, big_npy, 4)
+        linked_copies(small_npy, big_npy, 4)
         near_free = table(small_npy, big_npy, shm, ("--preprocess", "npy"))
         near_free["samples_s"] = round(4 * npys / near_free["seconds_4n"], 1)
         photo_worker = figures["photos"]["worker_cpu_s_per_n_files"] / photos
@@ -67,12 +66,3 @@ def bench_threads(root: Path, results: dict[str, Any], photos: int = 1000, npys:
         shutil.rmtree(shm, ignore_errors=True)
     results["threads"] = figures
 
-
-def _copies(src: Path, dest: Path, times: int) -> None:
-    """`times` hard links of every file of `src` under `dest` (a set `times` as big, for nothing)."""
-    for path in src.rglob("*"):
-        if path.is_file():
-            folder = dest / path.parent.relative_to(src)
-            folder.mkdir(parents=True, exist_ok=True)
-            for k in range(times):
-                os.link(path, folder / f"{k}-{path.name}")
