@@ -42,6 +42,12 @@ class Layout(StrEnum):
     chw = "chw"
 
 
+class Store(StrEnum):
+    pixels = "pixels"
+    jpeg = "jpeg"
+    png = "png"
+
+
 class Compression(StrEnum):
     auto = "auto"
     zstd = "zstd"
@@ -132,6 +138,20 @@ def build(
         Optional[int], typer.Option(help="image: side of the centre crop (default 224).", min=1, metavar="N")
     ] = None,
     layout: Annotated[Optional[Layout], typer.Option(help="image: pixel layout (default hwc).")] = None,
+    store: Annotated[
+        Optional[Store],
+        typer.Option(
+            help="image: store decoded pixels (default), or the image as JPEG or PNG for a loader to decode and "
+            "crop at read time."
+        ),
+    ] = None,
+    max_side: Annotated[
+        Optional[int],
+        typer.Option(help="image --store jpeg/png: longest side in pixels (default 512).", min=1, metavar="N"),
+    ] = None,
+    quality: Annotated[
+        Optional[int], typer.Option(help="image --store jpeg: JPEG quality (default 90).", min=1, max=95, metavar="Q")
+    ] = None,
     sample_rate: Annotated[
         Optional[int], typer.Option(help="audio: output rate in Hz (default 16000).", min=1, metavar="N")
     ] = None,
@@ -210,6 +230,9 @@ def build(
         "resize": resize,
         "crop": crop,
         "layout": layout.value if layout is not None else None,
+        "store": store.value if store is not None else None,
+        "max_side": max_side,
+        "quality": quality,
         "sample_rate": sample_rate,
         "clip_seconds": clip_seconds,
         "key": key,

@@ -14,10 +14,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from batchctl.errors import FormatError
 from batchctl.plan.start import Interrupted, Published, Request, Seed, Start
 from batchctl.run.staging import BuildPaths, Workdir
-from batchctl.store import codec, metadata as meta, storage
+from batchctl.store import codec, metadata as meta, ragged, storage
 from batchctl.store.digest import HASH_THREADS, hashes_by_shard, shard_problem
 from batchctl.store.format import remove_shards_from
 from batchctl.store.journal import GroupLine, Journaled, Untrusted, resolve
@@ -125,7 +127,6 @@ def damaged_shards(paths: BuildPaths, published: Published, shards: Collection[i
     whose objects are replaced whole, never edited in place; a dataset of an older batchctl)."""
     assert published.record is not None
     files, arrays = DatasetFiles(paths.url, paths.storage_options), published.arrays  # (read once, by read_published)
-    per_shard = published.record.shard_batches
     checks = [
         (shard, name, None if paths.remote else published.shard_sha256.get(shard, {}).get(name))
         for shard in sorted(shards)
@@ -134,7 +135,7 @@ def damaged_shards(paths: BuildPaths, published: Published, shards: Collection[i
 
     def problem(check: tuple[int, str, str | None]) -> str | None:
         shard, name, sha256 = check
-        return shard_problem(files, arrays[name].shard_key(shard), per_shard, sha256)
+        return shard_problem(files, arrays[name].shard_key(shard), arrays[name].chunks_per_shard, sha256)
 
     found: dict[int, str] = {}
     with ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="batchctl-check") as pool:
@@ -164,7 +165,10 @@ def _tail_chunks(paths: BuildPaths, record: Record) -> dict[str, tuple[tuple[int
     arrays = DatasetFiles(paths.url).arrays()
     found = {}
     for name, arr in arrays.items():
-        places = codec.read_shard_index(paths.output / arr.shard_key(last), record.shard_batches)
+        path = paths.output / arr.shard_key(last)
+        places: list[Any] = codec.read_shard_index(path, arr.chunks_per_shard)
+        if ragged.is_values(arr):  # a batch's values span several chunks: its place is all of them
+            places = ragged.batch_places(np.array(places, dtype=np.uint64), ragged.ValuesEncoder(arr), str(path))
         found[name] = tuple((int(offset), int(nbytes)) for offset, nbytes in places)
     return found
 

@@ -4,7 +4,8 @@
 every epoch, one order for any number of ranks) for a `DataLoader(stream, batch_size=None)`, its
 rank and world size taken from `torch.distributed`, a rank's share split between the DataLoader's
 workers, and a resume state for torchdata's `StatefulDataLoader`. `BatchDataset` is map-style over
-the stored batches. Numeric fields become tensors; `source` stays a list of strings.
+the stored batches. Numeric fields become tensors; `source` stays a list of strings; a ragged field's rows become
+one nested tensor (`to_torch`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from torch.utils.data import Dataset as TorchDataset, IterableDataset, get_worke
 from batchctl.errors import ResumeMismatchError
 from batchctl.read.loader import Loader
 from batchctl.read.mixture import MixedLoader
-from batchctl.read.reader import Batch, Dataset
+from batchctl.read.reader import Dataset
 from batchctl.read.views import FieldsOf, Subset
 from batchctl.run.mpinternals import pickled_for_a_child
 
@@ -33,11 +34,20 @@ from batchctl.run.mpinternals import pickled_for_a_child
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
 
 
-def to_torch(batch: Batch) -> dict[str, Any]:
-    return {
-        name: [str(s) for s in values] if values.dtype.kind in "TUO" else torch.from_numpy(np.ascontiguousarray(values))
-        for name, values in batch.items()
-    }
+def to_torch(batch: Mapping[str, Any]) -> dict[str, Any]:
+    """Numeric fields as tensors, `source` as a list of str, and a ragged field's rows (a list,
+    or an object array, of arrays) as one nested tensor (`layout=torch.jagged`: `.unbind()`
+    gives the rows, `.to_padded_tensor(0)` pads them)."""
+    out: dict[str, Any] = {}
+    for name, values in batch.items():
+        if isinstance(values, list) or (values.dtype == object and len(values) and isinstance(values[0], np.ndarray)):
+            rows = [torch.from_numpy(np.ascontiguousarray(row)) for row in values]
+            out[name] = torch.nested.nested_tensor(rows, layout=torch.jagged)
+        elif values.dtype.kind in "TUO":
+            out[name] = [str(s) for s in values]
+        else:
+            out[name] = torch.from_numpy(np.ascontiguousarray(values))
+    return out
 
 
 class _Lazy:
@@ -106,6 +116,9 @@ class IterableBatches(IterableDataset[dict[str, Any]]):
     dataset opened again in each worker (it must still be the version the subset was made of); or
     a mixture (`batchctl.mix(...)`): its sources are opened again in each worker and its own
     options used (the ones here other than rank, world size, cache and partitions are not).
+    A ragged field comes as a nested tensor (`ragged="list"`: `torch.jagged` layout) or padded
+    with `NAME_lengths` beside it (`ragged="pad"`); an encoded image field is decoded and cropped
+    in the DataLoader's workers (`random_resized_crop`, `center_crop`, `flip`: `Dataset.loader`).
     """
 
     def __init__(
@@ -124,6 +137,12 @@ class IterableBatches(IterableDataset[dict[str, Any]]):
         cache_limit: int | str | None = None,
         fields: Sequence[str] | None = None,
         partitions: int | None = None,
+        ragged: str = "list",
+        random_resized_crop: int | None = None,
+        center_crop: int | None = None,
+        flip: bool = False,
+        scale: tuple[float, float] = (0.08, 1.0),
+        ratio: tuple[float, float] = (3 / 4, 4 / 3),
     ) -> None:
         self._rows: tuple[str, np.ndarray] | None = None  # a subset's: (its dataset's version, its rows)
         # a mixture's sources and options (`MixedLoader.recipe`), made again in each process
@@ -143,7 +162,10 @@ class IterableBatches(IterableDataset[dict[str, Any]]):
         self.rank = rank if rank is not None else dist.get_rank() if distributed else 0
         self.world_size = world_size if world_size is not None else dist.get_world_size() if distributed else 1
         self._options: dict[str, Any] = {"batch_size": batch_size, "shuffle": shuffle, "seed": seed, "mix": mix}
-        self._options.update(drop_last=drop_last, prefetch=prefetch, fields=fields)
+        self._options.update(drop_last=drop_last, prefetch=prefetch, fields=fields, ragged=ragged)
+        if random_resized_crop is not None or center_crop is not None:  # encoded images, decoded in the workers
+            self._options.update(random_resized_crop=random_resized_crop, center_crop=center_crop, flip=flip)
+            self._options.update(scale=scale, ratio=ratio)
         # the order's partitions: given, else a loaded state's, else one per rank x worker of the first pass
         self._options.update(partitions=partitions)
         self._partitions = partitions

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from batchctl.preprocess import takes
+from batchctl.preprocess import ragged, takes
 from batchctl.preprocess.image import preprocess_image
 
 
@@ -78,3 +78,16 @@ def library_threads(path: Path) -> dict[str, np.ndarray]:
 def tokens(path: Path) -> dict[str, np.ndarray]:
     """Byte tokens of the whole file: outputs that vary in length (no fixed shape)."""
     return {"tokens": np.frombuffer(path.read_bytes(), dtype=np.uint8).astype(np.int32)}
+
+
+@takes("*.txt")
+@ragged("tokens", "boxes")
+def ragged_tokens(path: Path, delay: float = 0.0) -> dict[str, np.ndarray]:
+    """A document's bytes as tokens `(n,)` int32 (n = its size, 0 for an empty file) and
+    `n % 5` boxes `(n % 5, 4)` float32, plus its length as a fixed field; a file named
+    wrong.txt gives int64 tokens (not the dataset's dtype)."""
+    time.sleep(delay)
+    data = np.frombuffer(path.read_bytes(), dtype=np.uint8)
+    tokens = data.astype(np.int64 if path.name == "wrong.txt" else np.int32)
+    boxes = np.arange(len(data) % 5 * 4, dtype=np.float32).reshape(-1, 4) + len(data)
+    return {"tokens": tokens, "boxes": boxes, "length": np.int64(len(data))}

@@ -109,6 +109,9 @@ class BuildKwargs(TypedDict, total=False):
     resize: int
     crop: int
     layout: str
+    store: str
+    max_side: int
+    quality: int
     sample_rate: int
     clip_seconds: float
     key: str
@@ -119,7 +122,18 @@ class BuildKwargs(TypedDict, total=False):
     quiet: bool  # print progress and the summary as the CLI does (False), or errors only (True)
 
 
-PREPROCESS_FLAGS = ("resize", "crop", "layout", "sample_rate", "clip_seconds", "key", "split_rows")
+PREPROCESS_FLAGS = (
+    "resize",
+    "crop",
+    "layout",
+    "store",
+    "max_side",
+    "quality",
+    "sample_rate",
+    "clip_seconds",
+    "key",
+    "split_rows",
+)
 
 
 def parse_option(text: str) -> tuple[str, Any]:

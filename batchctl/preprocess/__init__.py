@@ -19,12 +19,14 @@ from batchctl.errors import UsageError
 from batchctl.preprocess.base import (
     DESCRIBE_ATTRIBUTE,
     FILES_ATTRIBUTE,
+    RAGGED_ATTRIBUTE,
     Block,
     PreprocessFn,
     Preprocessor,
     Sample,
     describes,
     native,
+    ragged,
     stack_samples,
     takes,
 )
@@ -38,6 +40,7 @@ __all__ = [
     "describes",
     "native",
     "portable_name",
+    "ragged",
     "resolve",
     "stack_samples",
     "takes",
@@ -74,7 +77,14 @@ def resolve(spec: str) -> Preprocessor:
     include = tuple(getattr(fn, FILES_ATTRIBUTE, ()))
     notes = getattr(fn, DESCRIBE_ATTRIBUTE, None)  # @describes: the same whatever the options
     describe = None if notes is None else (lambda options: notes)
-    return Preprocessor(name=f"{where}:{attr}", fn=fn, include=include, code=_code_of(module), describe=describe)
+    return Preprocessor(
+        name=f"{where}:{attr}",
+        fn=fn,
+        include=include,
+        code=_code_of(module),
+        describe=describe,
+        ragged=tuple(getattr(fn, RAGGED_ATTRIBUTE, ())),
+    )
 
 
 def portable_name(name: str) -> str:

@@ -49,6 +49,16 @@ class Preprocessor:
     # what each field's row dimensions are and say, from the options: written into the arrays'
     # own metadata for readers that open one alone ({field: {"dimension_names", "attributes"}})
     describe: Callable[[Mapping[str, Any]], Mapping[str, Mapping[str, Any]]] | None = None
+    # fields whose rows vary in their first dimension (tokens, boxes, encoded bytes): `@ragged`;
+    # or, where that depends on the options (the image built-in's `store`), `ragged_for(options)`
+    ragged: tuple[str, ...] = ()
+    ragged_for: Callable[[Mapping[str, Any]], tuple[str, ...]] | None = None
+    # the options that matter under the given ones (`relevant(merged, given)`): the others are not
+    # recorded, so they neither rebuild a dataset nor pass unnoticed (it may refuse them)
+    relevant: Callable[[Mapping[str, Any], Mapping[str, Any]], dict[str, Any]] | None = None
+
+    def ragged_fields(self, options: Mapping[str, Any]) -> tuple[str, ...]:
+        return self.ragged_for(options) if self.ragged_for is not None else self.ragged
 
     def accepts(self, relpath: str) -> bool:
         if self.include:
@@ -72,7 +82,7 @@ class Preprocessor:
         merged = {**self.defaults, **self._typed(given)}
         if self.check is not None:
             self.check(merged)
-        return merged
+        return merged if self.relevant is None else self.relevant(merged, given)
 
     def _typed(self, given: Mapping[str, Any]) -> dict[str, Any]:
         """The given options as the types the function declares (its annotations, else its
@@ -129,6 +139,9 @@ class Preprocessor:
     ) -> dict[str, np.ndarray]:
         """Run the function; its samples stacked field by field (row i of each column is sample i)."""
         result = self.fn(path, **options) if part is None else self.fn(path, **options, part=part)
+        ragged = self.ragged_fields(options)
+        if ragged:
+            return self._ragged_columns(result, ragged)
         if type(result) is dict and result:  # one sample, most files: ~1 us less than the general path
             return {str(k): native(np.asarray(v))[np.newaxis] for k, v in result.items()}
         if isinstance(result, Block):
@@ -140,6 +153,21 @@ class Preprocessor:
         if not samples:
             raise ValueError("the preprocessor produced no samples")
         return stack_samples(samples)
+
+    def _ragged_columns(self, result: Any, ragged: tuple[str, ...]) -> dict[str, np.ndarray]:
+        """Columns where the ragged fields' are object arrays of rows (the general path: a Block's
+        ragged field is a sequence of rows)."""
+        if isinstance(result, Block):
+            fields = {str(k): v if str(k) in ragged else np.asarray(v) for k, v in result.items()}
+            if not fields or len({len(v) for v in fields.values()}) != 1:
+                raise ValueError("a Block needs fields with the same number of rows")
+            rows = len(next(iter(fields.values())))
+            samples = [{name: native(np.asarray(value[i])) for name, value in fields.items()} for i in range(rows)]
+        else:
+            samples = list(self._normalise(result))
+        if not samples:
+            raise ValueError("the preprocessor produced no samples")
+        return stack_samples(samples, ragged)
 
     def _normalise(self, result: Any) -> Iterator[Sample]:
         stream = [result] if isinstance(result, Mapping) else result
@@ -157,8 +185,12 @@ def native(array: np.ndarray) -> np.ndarray:
     return array.astype(array.dtype.newbyteorder("="))
 
 
-def stack_samples(samples: list[Sample]) -> dict[str, np.ndarray]:
-    """Samples -> one column per field; a file whose samples disagree in shape is refused."""
+def stack_samples(samples: list[Sample], ragged: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
+    """Samples -> one column per field; a file whose samples disagree in shape is refused. A
+    `ragged` field's column is an object array of its rows, which agree in all but their first
+    dimension."""
+    if ragged:
+        return _ragged_stack(samples, ragged)
     if len(samples) == 1:  # most files: a view with a leading axis, no copy (np.stack costs ~5 us)
         return {name: value[np.newaxis] for name, value in samples[0].items()}
     first = {name: (value.shape, value.dtype) for name, value in samples[0].items()}
@@ -168,7 +200,49 @@ def stack_samples(samples: list[Sample]) -> dict[str, np.ndarray]:
     return {name: np.stack([sample[name] for sample in samples]) for name in first}
 
 
+def _ragged_stack(samples: list[Sample], ragged: tuple[str, ...]) -> dict[str, np.ndarray]:
+    missing = sorted(set(ragged) - samples[0].keys())
+    if missing:
+        raise ValueError(f"the ragged field {missing[0]!r} is not among the sample's fields")
+    fixed = [{k: v for k, v in sample.items() if k not in ragged} for sample in samples]
+    columns = stack_samples(fixed) if fixed[0] else {}
+    for name in ragged:
+        rows = [sample[name] for sample in samples]
+        first = rows[0]
+        if first.ndim == 0:
+            raise ValueError(f"the ragged field {name!r} is a scalar, not an array of rows")
+        for number, row in enumerate(rows):
+            if row.ndim != first.ndim or row.shape[1:] != first.shape[1:] or row.dtype != first.dtype:
+                got, want = f"{row.shape} {row.dtype}", f"{first.shape} {first.dtype}"
+                raise ValueError(f"sample {number} of this file has {name} {got}, its first {want}")
+        column = np.empty(len(rows), dtype=object)
+        for i, row in enumerate(rows):
+            column[i] = row
+        columns[name] = column
+    return {name: columns[name] for name in samples[0]}
+
+
+def ragged_rows(column: np.ndarray) -> bool:
+    """Whether a column holds a ragged field's rows (an object array of arrays)."""
+    return column.dtype == object
+
+
 FILES_ATTRIBUTE = "batchctl_files"
+RAGGED_ATTRIBUTE = "batchctl_ragged"
+
+
+def ragged(*fields: str) -> Callable[[PreprocessFn], PreprocessFn]:
+    """Declare fields whose rows vary in their first dimension (`@ragged("tokens", "boxes")`: a
+    document's tokens `(n,)`, an image's boxes `(n, 4)`); their other dimensions and dtype are
+    fixed. Stored as values and offsets (docs/format.md), read as a list of arrays or padded."""
+    if not fields or not all(isinstance(f, str) and f for f in fields):
+        raise UsageError(f"@ragged needs field names, got {fields!r}")
+
+    def declare(fn: PreprocessFn) -> PreprocessFn:
+        setattr(fn, RAGGED_ATTRIBUTE, tuple(fields))
+        return fn
+
+    return declare
 
 
 def takes(*globs: str) -> Callable[[PreprocessFn], PreprocessFn]:

@@ -1,4 +1,6 @@
-"""The default image preprocessing: torchvision's Resize(resize) + CenterCrop(crop), uint8.
+"""The default image preprocessing: torchvision's Resize(resize) + CenterCrop(crop), uint8; or,
+with `store="jpeg"` (or "png"), the image re-encoded with its longer side at most `max_side`, for a
+loader to decode and crop at read time (`batchctl.read.augment`).
 
 EXIF orientation is applied (the image is stored upright, as every viewer shows it); torchvision's
 reference does not do this, so only EXIF-rotated photos differ from it. JPEGs are decoded with
@@ -10,6 +12,7 @@ torchvision reference).
 
 from __future__ import annotations
 
+import io
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -20,6 +23,7 @@ from PIL import Image, ImageOps
 from batchctl.errors import UsageError
 from batchctl.preprocess.base import Preprocessor
 
+STORES = ("pixels", "jpeg", "png")
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 DRAFT_MARGIN = 2
 ORIENTATION = 0x0112  # the EXIF tag
@@ -78,15 +82,80 @@ def to_rgb(img: Image.Image) -> Image.Image:
 
 
 def preprocess_image(
-    path: Path, resize: int = 256, crop: int = 224, layout: str = "hwc", draft: bool = True
+    path: Path,
+    resize: int = 256,
+    crop: int = 224,
+    layout: str = "hwc",
+    draft: bool = True,
+    store: str = "pixels",
+    max_side: int = 512,
+    quality: int = 90,
 ) -> dict[str, np.ndarray]:
+    if store != "pixels":
+        return encode_image(path, store, max_side, quality, draft)
     pixels = center_crop(np.asarray(load_resized(path, resize, draft)), crop)
     if layout == "chw":
         pixels = pixels.transpose(2, 0, 1)
     return {"image": np.ascontiguousarray(pixels)}
 
 
+def bounded_size(width: int, height: int, max_side: int) -> tuple[int, int]:
+    """The size with the longer side at most `max_side` (never enlarged), the aspect kept."""
+    scale = min(1.0, max_side / max(width, height))
+    return max(1, round(width * scale)), max(1, round(height * scale))
+
+
+def encode_image(path: Path, store: str, max_side: int, quality: int, draft: bool = True) -> dict[str, np.ndarray]:
+    """The image upright, in RGB, its longer side at most `max_side`, encoded as JPEG of
+    `quality` (4:2:0, as most photos are) or as PNG; with its stored height and width."""
+    with Image.open(path) as img:
+        if draft and img.format == "JPEG":
+            img.draft("RGB", bounded_size(img.width, img.height, max_side * DRAFT_MARGIN))
+        oriented = ImageOps.exif_transpose(img) if img.getexif().get(ORIENTATION, 1) != 1 else img
+        rgb = to_rgb(oriented)
+    size = bounded_size(rgb.width, rgb.height, max_side)
+    if size != rgb.size:
+        rgb = rgb.resize(size, Image.Resampling.BILINEAR)
+    out = io.BytesIO()
+    if store == "jpeg":
+        rgb.save(out, "JPEG", quality=quality)
+    else:
+        rgb.save(out, "PNG")
+    return {
+        "image": np.frombuffer(out.getbuffer(), np.uint8).copy(),
+        "height": np.array(rgb.height, np.int32),
+        "width": np.array(rgb.width, np.int32),
+    }
+
+
+PIXEL_OPTIONS = ("resize", "crop", "layout")
+ENCODED_OPTIONS = ("store", "max_side", "quality")
+
+
+def relevant(options: Mapping[str, Any], given: Mapping[str, Any]) -> dict[str, Any]:
+    """Stored pixels record resize, crop, layout and draft (as before `store` existed); an
+    encoded image its store, max_side, quality and draft. An option of the other kind is refused."""
+    encoded = options["store"] != "pixels"
+    other = ENCODED_OPTIONS[1:] if not encoded else PIXEL_OPTIONS
+    given_other = sorted(name for name in other if name in given)
+    if given_other:
+        kind = f"--store {options['store']}" if encoded else "--store jpeg or png"
+        raise UsageError(f"--{given_other[0].replace('_', '-')} is not for {kind}; leave it out.")
+    drop = PIXEL_OPTIONS if encoded else ENCODED_OPTIONS
+    return {name: value for name, value in options.items() if name not in drop}
+
+
+def ragged_for(options: Mapping[str, Any]) -> tuple[str, ...]:
+    return ("image",) if options.get("store", "pixels") != "pixels" else ()
+
+
 def check_options(options: Mapping[str, Any]) -> None:
+    if options["store"] not in STORES:
+        raise UsageError(f"Expected --store one of {', '.join(STORES)}, got {options['store']!r} instead.")
+    if not isinstance(options["quality"], int) or not 1 <= options["quality"] <= 95:
+        raise UsageError(f"Expected --quality between 1 and 95, got {options['quality']!r} instead.")
+    if not isinstance(options["max_side"], int) or options["max_side"] < 1:
+        raise UsageError(f"Expected --max-side to be a positive integer, got {options['max_side']!r} instead.")
     if options["layout"] not in ("hwc", "chw"):
         raise UsageError(f"Expected --layout hwc or chw, got {options['layout']!r} instead.")
     for name in ("resize", "crop"):
@@ -95,6 +164,21 @@ def check_options(options: Mapping[str, Any]) -> None:
 
 
 def describe(options: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    store = options.get("store", "pixels")
+    if store != "pixels":
+        return {
+            "image": {
+                "dimension_names": ["byte"],
+                "attributes": {
+                    "meaning": f"the image encoded as {store.upper()} (RGB, upright), its longer side at most max_side",
+                    "encoding": f"image/{store}",
+                    "max_side": options.get("max_side"),
+                    "quality": options.get("quality") if store == "jpeg" else None,
+                },
+            },
+            "height": {"attributes": {"meaning": "the stored image's height in pixels"}},
+            "width": {"attributes": {"meaning": "the stored image's width in pixels"}},
+        }
     hwc = options.get("layout", "hwc") == "hwc"
     return {
         "image": {
@@ -117,6 +201,16 @@ PREPROCESSOR = Preprocessor(
     code="image/1",  # raise when the output for the same file and options changes
     fn=preprocess_image,
     extensions=EXTENSIONS,
-    defaults={"resize": 256, "crop": 224, "layout": "hwc", "draft": True},
+    defaults={
+        "resize": 256,
+        "crop": 224,
+        "layout": "hwc",
+        "draft": True,
+        "store": "pixels",
+        "max_side": 512,
+        "quality": 90,
+    },
     check=check_options,
+    relevant=relevant,
+    ragged_for=ragged_for,
 )

@@ -30,6 +30,8 @@ def info(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None
         # stored raw shows 1.0 however short its last batch
         row_bytes = int(np.prod(arr.shape[1:])) * arr.dtype.itemsize
         raw = ds.num_batches * ds.batch_size * row_bytes
+        if metadata.stores_batches(name):  # a ragged field's values: what the stored chunks hold
+            raw = _chunk_bytes(ds, name, arr)
         chunk_bytes = _chunk_bytes(ds, name, arr)
         fields[name] = {
             "shape": list(arr.shape[1:]),  # as stored, as every Zarr reader sees it
@@ -113,8 +115,8 @@ def _digest_problems(ds: Dataset) -> list[Problem]:
 
 def _chunk_bytes(ds: Dataset, name: str, arr: Any) -> int:
     """The bytes of an array's stored chunks: its shard files less their indexes."""
-    shards = -(-ds.num_samples // int(arr.shards[0])) if arr.shards else 0
-    index_bytes = (int(arr.shards[0]) // int(arr.chunks[0]) * 16 + 4) if arr.shards else 0
+    shards = ds.attrs.num_shards if arr.shards else 0
+    index_bytes = zarrmeta.ArrayMeta.of_zarr(arr).chunks_per_shard * 16 + 4 if arr.shards else 0
     return storage.tree_bytes(f"{ds.path}/{name}/c", ds.storage_options) - shards * index_bytes
 
 
@@ -152,9 +154,11 @@ def verify(
     readable: set[int] | None = None  # the shards every array has, with an index that reads
     all_there = True
     for name, arr in ds.arrays.items():
-        if arr.shape[0] != ds.num_samples:
-            problems.append(Problem(name, f"has {arr.shape[0]} rows, the metadata says {ds.num_samples}"))
-        if arr.chunks[0] != ds.batch_size or (arr.shards and arr.shards[0] != shard_rows):
+        per_batch = metadata.stores_batches(name)  # a ragged field's values: a row per batch
+        rows, chunk_rows = (ds.num_batches, 1) if per_batch else (ds.num_samples, ds.batch_size)
+        if arr.shape[0] != rows:
+            problems.append(Problem(name, f"has {arr.shape[0]} rows, the metadata says {rows}"))
+        if arr.chunks[0] != chunk_rows or (arr.shards and arr.shards[0] * ds.batch_size // chunk_rows != shard_rows):
             problems.append(Problem(name, f"chunks {arr.chunks} / shards {arr.shards} break the batch layout"))
         stored = zarrmeta.ArrayMeta.of_zarr(arr)
         have = {shard for shard in _shards_stored(stored, present) if shard < num_shards}
@@ -165,7 +169,7 @@ def verify(
     problems += _consolidated_problems(ds)
     if all_there:  # else the digest cannot match, and its list of shards is the metadata's claim, not the disk's
         problems += _digest_problems(ds)
-    spec = {name: metadata.FieldSpec(tuple(s), d) for name, s, d in _field_specs(ds)}
+    spec = ds.attrs.schema
     seen: set[tuple[str, int]] = set()
     per_shard = shard_rows // ds.batch_size
     for shard in sorted(readable or ()):
@@ -210,9 +214,8 @@ def _index_problems(ds: Dataset, arr: zarrmeta.ArrayMeta, shard: int, problems: 
     """Check shard `shard`'s index: there whole, its checksum right, every batch the dataset holds
     in it present and within the file. Adds what is wrong to `problems`; True when it cannot be read."""
     where = f"{arr.name} shard {shard}"
-    per_shard = arr.grid[0] // arr.chunks[0]
     try:
-        entries = _read_index(ds, arr, shard, per_shard)
+        entries = _read_index(ds, arr, shard, arr.chunks_per_shard)
     except (OSError, FormatError) as exc:
         problems.append(Problem(where, str(exc)))
         return True
@@ -220,13 +223,19 @@ def _index_problems(ds: Dataset, arr: zarrmeta.ArrayMeta, shard: int, problems: 
         problems.append(Problem(where, "the shard file is too short to hold its index"))
         return True
     size, index = entries
+    per_shard = int(arr.grid[0]) // int(arr.chunks[0])
+    per_batch = len(index) // per_shard  # a ragged field's values: a batch spans several positions
     first = shard * per_shard
-    for position in range(min(per_shard, ds.num_batches - first)):
+    for position in range(min(per_shard, ds.num_batches - first) * per_batch):
         offset, nbytes = (int(v) for v in index[position])
+        if offset == codec.NO_CHUNK and per_batch > 1:
+            continue  # a batch's values take the chunks they need, none for a batch of empty rows
         if offset == codec.NO_CHUNK:
             problems.append(Problem(where, f"batch {first + position} is missing from the shard"))
         elif offset + nbytes > size:
-            problems.append(Problem(where, f"batch {first + position} lies past the end of the shard file"))
+            problems.append(
+                Problem(where, f"batch {first + position // per_batch} lies past the end of the shard file")
+            )
     return False
 
 
@@ -248,13 +257,15 @@ def _batch_problems(
 ) -> list[Problem]:
     problems = []
     batch = {}
-    for name in ds.arrays:
+    for name in ds.fields:
         try:
             batch[name] = ds.read_field(name, index)
         except Exception as exc:  # noqa: BLE001 - any decode failure is corruption of this chunk
             problems.append(Problem(f"{name} batch {index} (shard {shard})", f"unreadable: {exc}"))
             continue
-        if name in spec and batch[name].shape[1:] != spec[name].shape:
+        if name in spec and spec[name].ragged:
+            problems += _ragged_problems(name, index, batch[name], spec[name])
+        elif name in spec and batch[name].shape[1:] != spec[name].shape:
             problems.append(Problem(f"{name} batch {index}", f"rows of shape {batch[name].shape[1:]}"))
     if metadata.SOURCE in batch and metadata.SOURCE_INDEX in batch:
         for source, row in zip(batch[metadata.SOURCE], batch[metadata.SOURCE_INDEX], strict=True):
@@ -265,11 +276,15 @@ def _batch_problems(
     return problems
 
 
+def _ragged_problems(name: str, index: int, rows: np.ndarray, spec: metadata.FieldSpec) -> list[Problem]:
+    """A ragged field's rows must be of its row shape past their first dimension."""
+    for row in rows:
+        if row.shape[1:] != spec.shape or row.dtype != np.dtype(spec.dtype):
+            return [Problem(f"{name} batch {index}", f"a row of shape {row.shape} {row.dtype}")]
+    return []
+
+
 def _stored_keys(ds: Dataset) -> set[str]:
     """Keys (relative to the dataset root) of every object stored, local or remote."""
     fs, root = storage.locate(ds.path, ds.storage_options)
     return {name[len(root.rstrip("/")) + 1 :] for name in fs.find(root)}
-
-
-def _field_specs(ds: Dataset) -> list[tuple[str, list[int], str]]:
-    return [(name, f["shape"], f["dtype"]) for name, f in ds.attrs.fields.items()]

@@ -23,12 +23,15 @@ from typing import Any, Protocol, cast
 import numpy as np
 
 from batchctl.errors import ResumeMismatchError, UsageError, warn
+from batchctl.read.augment import Crop, Decoded, image_fields
 from batchctl.read.order import EpochOrder, OrderOptions, check_rank, consumer_steps, family_problem
 from batchctl.store.metadata import SOURCE
 
 STATE_FORMAT = "batchctl.loader/1"
 
 Batch = dict[str, np.ndarray]
+# what a loader hands out: a Batch, where a ragged field may be a list of its rows' arrays
+OutputBatch = dict[str, Any]
 
 
 class BatchSource(Protocol):
@@ -48,11 +51,52 @@ class BatchSource(Protocol):
     @property
     def fields(self) -> dict[str, tuple[tuple[int, ...], np.dtype[Any]]]: ...
 
+    @property
+    def encodings(self) -> dict[str, str]: ...  # a ragged field of encoded bytes -> its media type (image/jpeg)
+
     def __getitem__(self, index: int) -> Batch: ...
 
     def read_batch(
         self, index: int, into: Mapping[str, list[np.ndarray]] | None = None, fields: list[str] | None = None
     ) -> Batch: ...
+
+
+RAGGED_MODES = ("list", "pad")
+
+
+def object_fields(fields: Mapping[str, tuple[tuple[int, ...], Any]]) -> list[str]:
+    """The fields read as rows of Python objects, gathered rather than read into place: `source`
+    (str) and ragged fields (arrays of varying length, their row shape starting with -1)."""
+    return [name for name, (shape, _) in fields.items() if name == SOURCE or (shape and shape[0] == -1)]
+
+
+def check_ragged_mode(ragged: str) -> str:
+    if ragged not in RAGGED_MODES:
+        raise UsageError(f"Expected ragged= one of {', '.join(map(repr, RAGGED_MODES))}, got {ragged!r} instead.")
+    return ragged
+
+
+def ragged_output(batch: Batch, names: Sequence[str], mode: str) -> OutputBatch:
+    """A batch's ragged fields as users take them: `list`, a list of each row's array; `pad`,
+    one array padded with zeros to the batch's longest row, and `NAME_lengths` (int64) beside it."""
+    out: OutputBatch = dict(batch)
+    for name in names:
+        rows = list(batch[name])
+        if mode == "list":
+            out[name] = rows
+            continue
+        out[name], out[f"{name}_lengths"] = pad_rows(rows)
+    return out
+
+
+def pad_rows(rows: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of varying first dimension as one zero-padded array, and their lengths."""
+    lengths = np.fromiter((len(row) for row in rows), np.int64, len(rows))
+    first = rows[0] if rows else np.empty(0)
+    padded = np.zeros((len(rows), int(lengths.max(initial=0)), *first.shape[1:]), first.dtype)
+    for i, row in enumerate(rows):
+        padded[i, : len(row)] = row
+    return padded, lengths
 
 
 def gather(batches: dict[int, Batch], rows: np.ndarray, stored_batch: int) -> Batch:
@@ -104,9 +148,18 @@ class Loader:
         drop_last: bool = True,
         prefetch: int | None = None,
         partitions: int | None = None,
+        ragged: str = "list",
+        crop: Crop | None = None,
     ) -> None:
         self.dataset = dataset
         check_rank(rank, world_size)
+        # encoded images decoded and cropped as they are read (`augment.Crop`), and how ragged
+        # fields are handed out: neither is part of the order (a state resumes either way)
+        self.crop, self.images = crop, image_fields(dataset.encodings) if crop is not None else []
+        if crop is not None and not self.images:
+            raise UsageError(f"{dataset.path} has no encoded image field to crop (build it with --store jpeg or png)")
+        self.ragged = check_ragged_mode(ragged)
+        self.ragged_names = [n for n in object_fields(dataset.fields) if n != SOURCE and n not in self.images]
         self.rank, self.world_size = rank, world_size
         size = dataset.batch_size if batch_size is None else batch_size
         # partitions not given: one per rank, fixed by the run that starts (a loaded state's are taken)
@@ -194,7 +247,11 @@ class Loader:
 
     def read(self, order: EpochOrder, batches: Iterable[int]) -> Iterator[Batch]:
         """Output batches `batches` of `order`, in that order, reading stored batches ahead in threads."""
-        return _read(self.dataset, order, batches, self.prefetch)
+        source: BatchSource = self.dataset
+        if self.crop is not None:
+            source = Decoded(self.dataset, self.crop, self.images, self.options.seed, order.epoch)
+        for batch in _read(source, order, batches, self.prefetch):
+            yield ragged_output(batch, self.ragged_names, self.ragged)
 
     def state_dict(self) -> dict[str, Any]:
         """Where this loader stands, as plain JSON-able data: the same on every rank."""
@@ -275,7 +332,8 @@ def read_into(
     """Stored batch `stored` into its rows' places: row r into output batch targets[r] (None: no
     batch here takes it) at place[r]. Big rows are read straight into them (into `scratch`, this
     thread's buffer, for rows no batch takes: the checksum covers the whole chunk); small ones
-    (labels) are read whole and then placed. Returns the `source` rows, when `source` is read."""
+    (labels) are read whole and then placed. Returns the rows of the object fields read
+    (`source`, ragged fields), which are gathered later."""
     into = {}
     for name, (shape, dtype) in numeric.items():
         if np.dtype(dtype).itemsize * int(np.prod(shape)) >= _ROW_BY_ROW:
@@ -289,7 +347,7 @@ def read_into(
         for r, (out, p) in enumerate(zip(targets, place, strict=True)):
             if out is not None:
                 out[name][p] = whole[name][r]
-    return {SOURCE: whole[SOURCE]} if SOURCE in whole else {}
+    return {name: whole[name] for name in object_fields(dataset.fields) if name in whole}
 
 
 def _empty_epoch(dataset: BatchSource, options: OrderOptions, order: EpochOrder, ranks: int) -> str:
@@ -360,8 +418,8 @@ def _read(dataset: BatchSource, order: EpochOrder, batches: Iterable[int], prefe
 @dataclass
 class _Group:
     group: int
-    reads: list[Future[Batch]]  # per stored batch, in visit order: the batch, or its `source` rows when scattered
-    sources: np.ndarray | None = None  # the group's `source` rows in visit order, once joined
+    reads: list[Future[Batch]]  # per stored batch, in visit order: the batch, or its object rows when scattered
+    objects: Batch | None = None  # the group's object rows (`source`, ragged) in visit order, once joined
 
 
 _ROW_BY_ROW = 4096  # bytes: rows at least this big are read straight into their output batch
@@ -379,7 +437,8 @@ class _GroupReads:
 
     def __init__(self, dataset: BatchSource, order: EpochOrder, pool: ThreadPoolExecutor, wanted: set[int]) -> None:
         self.dataset, self.order, self.pool, self.wanted = dataset, order, pool, wanted
-        self.numeric = {name: field for name, field in dataset.fields.items() if name != SOURCE}
+        self.objects = object_fields(dataset.fields)
+        self.numeric = {name: field for name, field in dataset.fields.items() if name not in self.objects}
         self.outputs: dict[int, Batch] = {}  # output batches being filled
         self.local = threading.local()
 
@@ -430,13 +489,12 @@ class _GroupReads:
         return scratch[name]
 
     @staticmethod
-    def _sources(group: _Group) -> np.ndarray:
-        """The group's `source` rows in visit order (joined once its reads are done); with
-        `source` not among the fields read, an empty array once the reads are done."""
-        if group.sources is None:
+    def _objects(group: _Group) -> Batch:
+        """The group's object rows in visit order, by field (joined once its reads are done)."""
+        if group.objects is None:
             done = [read.result() for read in group.reads]
-            group.sources = np.concatenate([got[SOURCE] for got in done]) if SOURCE in done[0] else np.empty(0)
-        return group.sources
+            group.objects = {name: np.concatenate([got[name] for got in done]) for name in done[0]}
+        return group.objects
 
     def cut(self, batch: int, groups: dict[int, _Group]) -> Batch:
         if not self.order.permute:
@@ -447,9 +505,9 @@ class _GroupReads:
             }
             return gather(stored, self.order.rows(batch), self.order.stored_batch)
         parts = self.order.parts(batch)
-        sources = [self._sources(groups[group]) for group, _ in parts]  # every read of the batch's groups done
+        objects = [self._objects(groups[group]) for group, _ in parts]  # every read of the batch's groups done
         out = self.outputs.pop(batch)
-        if SOURCE in self.dataset.fields:
-            placed = [found[self.order.in_group(rows)] for found, (_, rows) in zip(sources, parts, strict=True)]
-            out[SOURCE] = np.concatenate(placed) if len(placed) > 1 else placed[0]
+        for name in self.objects:
+            placed = [found[name][self.order.in_group(rows)] for found, (_, rows) in zip(objects, parts, strict=True)]
+            out[name] = np.concatenate(placed) if len(placed) > 1 else placed[0]
         return {name: out[name] for name in self.dataset.fields}

@@ -32,7 +32,15 @@ from typing import Any
 import numpy as np
 
 from batchctl.errors import ResumeMismatchError, UsageError
-from batchctl.read.loader import Batch, BatchSource, default_prefetch, read_into
+from batchctl.read.loader import (
+    Batch,
+    BatchSource,
+    check_ragged_mode,
+    default_prefetch,
+    object_fields,
+    ragged_output,
+    read_into,
+)
 from batchctl.read.order import EpochOrder, OrderOptions, check_rank, consumer_steps, family_problem
 from batchctl.read.views import FieldsOf, Readable
 from batchctl.store.metadata import SOURCE
@@ -136,8 +144,10 @@ class MixedLoader:
         prefetch: int | None = None,
         fields: Sequence[str] | None = None,
         partitions: int | None = None,
+        ragged: str = "list",
     ) -> None:
         self.names = list(sources)
+        self.ragged = check_ragged_mode(ragged)
         if not self.names or set(weights) != set(self.names):
             raise UsageError(f"Expected a weight for each of {self.names}, got {dict(weights)!r} instead.")
         if any(not isinstance(w, (int, float)) or isinstance(w, bool) or not w > 0 for w in weights.values()):
@@ -163,6 +173,8 @@ class MixedLoader:
             name: ds if fields is None else FieldsOf(ds, fields) for name, ds in self.opened.items()
         }
         self.fields = _shared_fields(self.sources)
+        self.ragged_names = [n for n in object_fields(next(iter(self.sources.values())).fields) if n in self.fields]
+        self.ragged_names = [n for n in self.ragged_names if n != SOURCE]
         # one group of each source ahead: the reads of every source share the window (`_MixReads`)
         self.prefetch = default_prefetch(checked.mix, checked.shuffle, remote=True) if prefetch is None else prefetch
         self.weights = {name: float(weights[name]) for name in self.names}
@@ -295,7 +307,7 @@ class MixedLoader:
         reads = _MixReads([s.dataset for s in self._streams], self.fields, self.counts, plans, self.prefetch)
         try:
             for i in range(len(plans)):
-                yield reads.cut(i)
+                yield ragged_output(reads.cut(i), self.ragged_names, self.ragged)
         finally:
             reads.close()
 
@@ -402,6 +414,7 @@ class MixedLoader:
                 "prefetch": self.prefetch,
                 "fields": self.fields_asked,
                 "partitions": self.options.partitions if self.partitions_given else None,
+                "ragged": self.ragged,
             },
         }
 
@@ -422,7 +435,8 @@ class _MixReads:
     ) -> None:
         self.sources, self.fields, self.counts = sources, fields, counts
         first = sources[0].fields
-        self.numeric = {name: first[name] for name in fields if name != SOURCE}
+        self.objects = [name for name in object_fields(first) if name in fields]  # `source`, ragged fields
+        self.numeric = {name: first[name] for name in fields if name not in self.objects}
         self.targets: dict[tuple[int, int, int], list[tuple[int, np.ndarray, np.ndarray]]] = {}
         for i, plan in enumerate(plans):
             at = 0
@@ -450,8 +464,8 @@ class _MixReads:
         if i not in self.outputs:
             size = sum(self.counts)
             out = {name: np.empty((size, *shape), dtype) for name, (shape, dtype) in self.numeric.items()}
-            if SOURCE in self.fields:
-                out[SOURCE] = np.empty(size, dtype=object)
+            for name in self.objects:
+                out[name] = np.empty(size, dtype=object)
             self.outputs[i] = out
         return self.outputs[i]
 
@@ -473,10 +487,10 @@ class _MixReads:
 
     def _read(self, k: int, stored: int, targets: list[Batch | None], place: list[int]) -> None:
         got = read_into(self.sources[k], self.numeric, stored, targets, place, self._scratch)
-        if SOURCE in got:
+        for name, rows in got.items():
             for r, (out, p) in enumerate(zip(targets, place, strict=True)):
                 if out is not None:
-                    out[SOURCE][p] = got[SOURCE][r]
+                    out[name][p] = rows[r]
 
     def _scratch(self, name: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
         scratch: dict[tuple[str, tuple[int, ...]], np.ndarray] = self.local.__dict__.setdefault("scratch", {})

@@ -15,11 +15,13 @@ from typing import Any, cast
 import numpy as np
 
 from batchctl.errors import BatchctlError, FormatError, UsageError
+from batchctl.read.augment import crop_of
 from batchctl.read.loader import Batch, Loader
 from batchctl.read.views import Subset, loader_of, select_rows, split_rows
 from batchctl.report import size_text
-from batchctl.store import chunkread, codec, format as fmt, metadata, storage, zarrmeta
+from batchctl.store import chunkread, codec, format as fmt, metadata, ragged as ragged_rows, storage, zarrmeta
 from batchctl.store.cache import ChunkCache
+from batchctl.store.metadata import values_array
 from batchctl.store.remote import RETRY_FOR_S, RemoteChunkReader, RemoteStore
 
 __all__ = ["Batch", "Dataset", "open"]
@@ -69,7 +71,16 @@ class Dataset:
         self.remote = self._root is None
         self._store = self._remote_store(cache_dir, cache_limit, retry_for) if self.remote else None
         self._fast = self._chunk_readers()
+        # ragged fields (docs/format.md): read as offsets, then the batch's values
+        self.ragged = {name: spec for name, spec in self.attrs.schema.items() if spec.ragged and self.arrays}
+        self._values = {name: self._values_reader(name) for name in self.ragged}
         self._present: set[tuple[str, int]] = set()
+
+    def _values_reader(self, name: str) -> chunkread.ValuesReader | None:
+        """A local ragged field's values are read by batchctl; anything else through zarr."""
+        if self._root is None:
+            return None
+        return chunkread.ValuesReader.for_array(self._root, zarrmeta.ArrayMeta.of_zarr(self.arrays[values_array(name)]))
 
     def _remote_store(self, cache_dir: Any, cache_limit: int | str | None, retry_for: float) -> RemoteStore:
         """The objects of this version; cached only when complete (a partial one still grows)."""
@@ -107,16 +118,34 @@ class Dataset:
                 total += int(np.prod(arr.chunks)) * np.dtype(arr.dtype).itemsize
         return total
 
+    @property
+    def encodings(self) -> dict[str, str]:
+        """Ragged fields of encoded bytes and their media type (`image/jpeg`), as their values'
+        `encoding` attribute says (`--store jpeg`)."""
+        found = {}
+        for name in self.ragged:
+            encoding = self.arrays[values_array(name)].attrs.get("encoding")
+            if isinstance(encoding, str):
+                found[name] = encoding
+        return found
+
     def _rows_present(self) -> int:
         return min((arr.shape[0] for arr in self.arrays.values()), default=0)
 
     @property
     def fields(self) -> dict[str, tuple[tuple[int, ...], np.dtype[Any]]]:
-        """Field name -> (row shape, dtype), for every array including `source` (str) and `source_index`."""
-        return {
-            name: ((), np.dtype(np.str_)) if name == metadata.SOURCE else (tuple(arr.shape[1:]), np.dtype(arr.dtype))
-            for name, arr in self.arrays.items()
-        }
+        """Field name -> (row shape, dtype), for every field including `source` (str) and
+        `source_index`; a ragged field's row shape starts with -1 (its rows vary in length)."""
+        found: dict[str, tuple[tuple[int, ...], np.dtype[Any]]] = {}
+        for name, arr in self.arrays.items():
+            field_name, part = metadata.ragged_part(name)
+            if part == metadata.VALUES_SUFFIX:
+                found[field_name] = ((-1, *self.ragged[field_name].shape), np.dtype(arr.dtype))
+            elif name == metadata.SOURCE:
+                found[name] = ((), np.dtype(np.str_))
+            elif not part:
+                found[name] = (tuple(arr.shape[1:]), np.dtype(arr.dtype))
+        return found
 
     def __len__(self) -> int:
         return self.num_batches
@@ -141,18 +170,37 @@ class Dataset:
         for name, rows in into.items():
             if name == metadata.SOURCE or len(rows) != self.batch_size:
                 raise ValueError(f"expected {self.batch_size} row buffers of numeric {name}, got {len(rows)}")
-        names = [name for name in self.arrays if name not in into] if fields is None else fields
-        whole = {name: self._chunk_buffer(name) for name in names if self._fast[name] is not None}
+        names = [name for name in self.fields if name not in into] if fields is None else fields
+        ragged = [name for name in names if name in self.ragged]
+        arrays = [name for name in names if name not in self.ragged] + [metadata.offsets_array(n) for n in ragged]
+        whole = {name: self._chunk_buffer(name) for name in arrays if self._fast.get(name) is not None}
         self._read_chunks(index, {**into, **{name: [buffer] for name, buffer in whole.items()}})
         out: Batch = {}
-        for name in names:
+        for name in arrays:
             values = whole[name][: stop - start] if name in whole else self._read_zarr(name, start, stop)
             out[name] = fmt.decode_sources(values) if name == metadata.SOURCE else values
+        for name in ragged:
+            offsets = out[metadata.offsets_array(name)]
+            where = f"{self.path}: {name} batch {index}"
+            out[name] = ragged_rows.rows_of(offsets, self._read_values(name, index, offsets), where)
+        out = {name: out[name] for name in names}
         for name, buffers in into.items():
             if self._fast[name] is None:
                 for buffer, values in zip(buffers, self._read_zarr(name, start, stop), strict=False):
                     buffer[...] = values
         return out
+
+    def _read_values(self, name: str, index: int, offsets: np.ndarray) -> np.ndarray:
+        """Batch `index`'s values of the ragged field `name` (its rows' `offsets` say how many)."""
+        reader = self._values[name]
+        if reader is not None:
+            return reader.read(index)
+        end = int(offsets[:, 1].max()) if len(offsets) else 0
+        arr = self.arrays[values_array(name)]
+        try:
+            return np.asarray(arr[index, :end])
+        except (RuntimeError, ValueError) as exc:  # what the decoders raise on bad bytes
+            raise FormatError(f"{self.path}: {arr.path} batch {index}: corrupt data ({exc})") from exc
 
     def _read_chunks(self, index: int, targets: Mapping[str, list[np.ndarray]]) -> None:
         """Chunk `index` of the fields read by batchctl's own readers into their buffers."""
@@ -229,6 +277,12 @@ class Dataset:
         prefetch: int | None = None,
         fields: Sequence[str] | None = None,
         partitions: int | None = None,
+        ragged: str = "list",
+        random_resized_crop: int | None = None,
+        center_crop: int | None = None,
+        flip: bool = False,
+        scale: tuple[float, float] = (0.08, 1.0),
+        ratio: tuple[float, float] = (3 / 4, 4 / 3),
     ) -> Loader:
         """Batches for training: any `batch_size` (default: the stored one), fresh batches every
         epoch (`mix` stored batches' rows permuted together), each stored batch read by one rank
@@ -236,9 +290,29 @@ class Dataset:
         size dividing `partitions` (default: `world_size`; say 12 to resume on 1, 2, 3, 4, 6 or
         12 ranks). `prefetch` stored batches are read ahead (default: two groups of `mix`; one from a URL).
         `fields`: only these arrays are read (nothing of the others); the order and resume state
-        are the same whatever fields are read. See `Loader` and `read/order.py`."""
+        are the same whatever fields are read. A ragged field comes as a list of each row's array
+        (`ragged="list"`) or zero-padded to the batch's longest row with `NAME_lengths` beside it
+        (`ragged="pad"`). An encoded image field (`--store jpeg`) is decoded as it is read: into
+        `random_resized_crop` x `random_resized_crop` RGB crops as torchvision's RandomResizedCrop
+        takes them (`scale`, `ratio`; a horizontal flip half the time with `flip=True`), or a
+        centre crop (`center_crop`: Resize(size / 0.875) + CenterCrop(size)); each row's draws
+        depend on (seed, epoch, row) only, so a resume gives the same crops. See `Loader`,
+        `read/order.py` and `read/augment.py`."""
+        crop = crop_of(random_resized_crop, center_crop, flip, scale, ratio)
         return loader_of(
-            self, batch_size, shuffle, seed, mix, rank, world_size, drop_last, prefetch, fields, partitions
+            self,
+            batch_size,
+            shuffle,
+            seed,
+            mix,
+            rank,
+            world_size,
+            drop_last,
+            prefetch,
+            fields,
+            partitions,
+            ragged,
+            crop,
         )
 
     def subset(

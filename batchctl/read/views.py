@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from batchctl.errors import UsageError
+from batchctl.read.augment import Crop, crop_of
 from batchctl.read.loader import Batch, BatchSource, Loader
 from batchctl.store.metadata import LABEL, SOURCE
 
@@ -39,10 +40,10 @@ class FieldsOf:
 
     def __init__(self, base: Readable, fields: Sequence[str]) -> None:
         names = list(fields)
-        unknown = [name for name in names if name not in base.arrays]
+        unknown = [name for name in names if name not in base.fields]
         if isinstance(fields, str) or not names or unknown:
             raise UsageError(
-                f"Expected fields to be a list of some of {', '.join(base.arrays)}, got {fields!r} instead."
+                f"Expected fields to be a list of some of {', '.join(base.fields)}, got {fields!r} instead."
             )
         self.base, self.names = base, names
         self.path, self.build_id, self.remote = base.path, base.build_id, base.remote
@@ -53,6 +54,10 @@ class FieldsOf:
     def fields(self) -> dict[str, tuple[tuple[int, ...], np.dtype[Any]]]:
         every = self.base.fields
         return {name: every[name] for name in self.names}
+
+    @property
+    def encodings(self) -> dict[str, str]:
+        return {name: kind for name, kind in self.base.encodings.items() if name in self.names}
 
     def __getitem__(self, index: int) -> Batch:
         return self.base.read_batch(index, fields=self.names)
@@ -81,6 +86,10 @@ class Subset:
     def fields(self) -> dict[str, tuple[tuple[int, ...], np.dtype[Any]]]:
         return self.dataset.fields
 
+    @property
+    def encodings(self) -> dict[str, str]:
+        return self.dataset.encodings
+
     def __len__(self) -> int:
         return self.num_samples
 
@@ -108,10 +117,29 @@ class Subset:
         prefetch: int | None = None,
         fields: Sequence[str] | None = None,
         partitions: int | None = None,
+        ragged: str = "list",
+        random_resized_crop: int | None = None,
+        center_crop: int | None = None,
+        flip: bool = False,
+        scale: tuple[float, float] = (0.08, 1.0),
+        ratio: tuple[float, float] = (3 / 4, 4 / 3),
     ) -> Loader:
         """As `Dataset.loader`, over the subset's rows."""
+        crop = crop_of(random_resized_crop, center_crop, flip, scale, ratio)
         return loader_of(
-            self, batch_size, shuffle, seed, mix, rank, world_size, drop_last, prefetch, fields, partitions
+            self,
+            batch_size,
+            shuffle,
+            seed,
+            mix,
+            rank,
+            world_size,
+            drop_last,
+            prefetch,
+            fields,
+            partitions,
+            ragged,
+            crop,
         )
 
 
@@ -127,11 +155,15 @@ def loader_of(
     prefetch: int | None,
     fields: Sequence[str] | None,
     partitions: int | None = None,
+    ragged: str = "list",
+    crop: Crop | None = None,
 ) -> Loader:
     """The loader of a dataset or a subset (`Dataset.loader`, `Subset.loader`): over its rows, read
     for `fields` only when given, refused when its cache cannot hold what the loader reads ahead."""
     source = base if fields is None else FieldsOf(base, fields)
-    loader = Loader(source, batch_size, shuffle, seed, mix, rank, world_size, drop_last, prefetch, partitions)
+    loader = Loader(
+        source, batch_size, shuffle, seed, mix, rank, world_size, drop_last, prefetch, partitions, ragged, crop
+    )
     base.check_cache_holds(loader.prefetch)
     return loader
 

@@ -49,9 +49,9 @@ from batchctl.run.mpinternals import queue_reader
 from batchctl.run.processes import init_child
 from batchctl.run.reorder import Reorder
 from batchctl.run.ring import InRing, SampleRing, Sent
-from batchctl.run.rows import check_schema, provenance, runs_of, schema_of
+from batchctl.run.rows import check_schema, columns_schema, provenance, runs_of
 from batchctl.run.writeplan import Carry, CollatorConfig
-from batchctl.store import chunkread, codec, format as fmt, metadata, shards, storage
+from batchctl.store import chunkread, codec, format as fmt, metadata, ragged, shards, storage
 from batchctl.store.journal import BatchLine, Chunk, FileRun, Line, ShardDone
 from batchctl.store.shardhash import chunk_digest
 
@@ -73,7 +73,7 @@ class _InFlight:
     order) and written; journaled once it and every batch before it are written and fsynced."""
 
     line: BatchLine  # its journal line, without its chunks' places until it is placed
-    encoding: Future[dict[str, tuple[list[Any], bytes]]]  # each array's chunk: its pieces and their SHA-256
+    encoding: Future[dict[str, list[tuple[list[Any], bytes]]]]  # each array's chunks: their pieces and SHA-256
     buffers: dict[str, np.ndarray]
     writing: list[Future[None]] | None = None
     chunks: dict[str, Chunk] = field(default_factory=dict)  # filled in when placed
@@ -103,6 +103,7 @@ class Collator:
         self.schema: metadata.Schema | None = None
         self.layout: metadata.Layout | None = None
         self.encoders: dict[str, codec.ChunkEncoder] = {}
+        self.ragged: dict[str, ragged.ValuesEncoder] = {}  # by field: the encoder of its values
         self.batch: _Batch | None = None
         self.next_batch = len(config.resume.batches)  # the number of the batch being filled
         self.samples = sum(batch.rows for batch in config.resume.batches)
@@ -121,11 +122,13 @@ class Collator:
     def _adopt_existing(self) -> None:
         """Resume: continue the arrays an interrupted run created, in its open shard, from the
         half-filled batch it left (read back from that shard, whose file is cut before it)."""
-        self.schema = {
-            name: metadata.FieldSpec(tuple(arr.shape[1:]), arr.dtype)
-            for name, arr in self.arrays.items()
-            if name not in metadata.RESERVED_FIELDS
-        }
+        self.schema = {}
+        for name, arr in self.arrays.items():
+            field_name, part = metadata.ragged_part(name)
+            if part == metadata.VALUES_SUFFIX:
+                self.schema[field_name] = metadata.FieldSpec(tuple(arr.shape[2:]), arr.dtype, ragged=True)
+            elif not part and name not in metadata.RESERVED_FIELDS:
+                self.schema[name] = metadata.FieldSpec(tuple(arr.shape[1:]), arr.dtype)
         shard_rows = self.arrays[metadata.SOURCE].grid[0]
         self._layout(metadata.Layout(self.config.batch_size, shard_rows // self.config.batch_size))
         resume = self.config.resume
@@ -140,9 +143,18 @@ class Collator:
 
     def _reload(self, partial: BatchLine) -> None:
         assert self.local_root is not None and self.batch is not None
-        for name, arr in self.arrays.items():
-            stored = shards.read_chunk(arr, partial.shard, self.local_root, partial.chunks[name])
-            rows = self.encoders[name].decode(stored)[: partial.rows]
+        stored = {
+            name: shards.read_chunk(arr, partial.shard, self.local_root, partial.chunks[name])
+            for name, arr in self.arrays.items()
+        }
+        for field_name, encoder in self.ragged.items():
+            values = encoder.decode(stored.pop(metadata.values_array(field_name)), encoder.name)
+            offsets = self.encoders[metadata.offsets_array(field_name)].decode(
+                stored.pop(metadata.offsets_array(field_name))
+            )
+            self.batch.columns[field_name][: partial.rows] = ragged.rows_of(offsets[: partial.rows], values)
+        for name, data in stored.items():
+            rows = self.encoders[name].decode(data)[: partial.rows]
             if name == metadata.SOURCE:
                 self.batch.sources = fmt.decode_sources(rows).tolist()
             else:
@@ -151,7 +163,14 @@ class Collator:
 
     def _layout(self, layout: metadata.Layout) -> None:
         self.layout = layout
-        self.encoders = {name: codec.ChunkEncoder.for_array(arr) for name, arr in self.arrays.items()}
+        self.encoders = {
+            name: codec.ChunkEncoder.for_array(arr) for name, arr in self.arrays.items() if not ragged.is_values(arr)
+        }
+        self.ragged = {
+            metadata.ragged_part(name)[0]: ragged.ValuesEncoder(arr)
+            for name, arr in self.arrays.items()
+            if ragged.is_values(arr)
+        }
         self.batch = self._new_batch()
 
     def _shard_batches(self) -> int:
@@ -159,8 +178,11 @@ class Collator:
         return self.layout.shard_batches
 
     def _start(self, rows: dict[str, np.ndarray]) -> None:
-        self.schema = {name: metadata.FieldSpec.of(column[0]) for name, column in rows.items()}
-        shard_batches = self.config.shard_batches or metadata.default_shard_batches(self.config.batch_size, self.schema)
+        self.schema = columns_schema(rows)
+        ragged_bytes = sum(rows[name][0].nbytes for name, spec in self.schema.items() if spec.ragged)
+        shard_batches = self.config.shard_batches or metadata.default_shard_batches(
+            self.config.batch_size, self.schema, ragged_bytes
+        )
         layout = metadata.Layout(self.config.batch_size, shard_batches)
         self.arrays = fmt.create_arrays(
             self.files,
@@ -182,7 +204,10 @@ class Collator:
             return _Batch(self.spare.pop())
         assert self.schema is not None and self.layout is not None
         rows = self.layout.batch_size
-        columns = {name: np.empty((rows, *spec.shape), spec.dtype) for name, spec in self.schema.items()}
+        columns = {
+            name: np.empty(rows, object) if spec.ragged else np.empty((rows, *spec.shape), spec.dtype)
+            for name, spec in self.schema.items()
+        }
         columns[metadata.SOURCE_INDEX] = np.empty(rows, np.int64)
         if self.config.labelled:
             columns[metadata.LABEL] = np.empty(rows, np.int64)
@@ -190,8 +215,8 @@ class Collator:
 
     def add(self, output: TaskOutput) -> None:
         """Copy an output's rows into the batch being filled, writing each batch as it fills up."""
-        first_row = {name: column[0] for name, column in output.columns.items()}
-        reason = check_schema(self.schema or schema_of(first_row), first_row)
+        found = columns_schema(output.columns)
+        reason = check_schema(self.schema or found, found)
         if reason:  # (the worker checked that the rows of one output agree with each other)
             for task, rows in output.parts:
                 self.events.put(Rejected(task[1], reason, rows))
@@ -229,7 +254,8 @@ class Collator:
 
         group = zarr.open_group(carry.url, mode="r", **storage.zarr_options(carry.url, carry.storage_options))
         assert self.schema is not None
-        old = chunkread.RowReader(carry.url, {n: a for n, a in group.arrays() if n in self.schema})
+        stored = set(metadata.array_names(self.schema))
+        old = chunkread.RowReader(carry.url, {n: a for n, a in group.arrays() if n in stored})
         last_run = {run.key: i for i, run in enumerate(carry.runs)}
         pending: dict[PathKey, list[tuple[CarryRun, dict[str, np.ndarray]]]] = {}
         number = 0
@@ -240,7 +266,10 @@ class Collator:
                 shard_runs = list(runs)
                 start = shard * carry.shard_rows
                 end = start + max(run.start + run.rows for run in shard_runs)
-                rows = {name: old.rows(name, start, end) for name in old.arrays}
+                rows = {
+                    name: old.ragged_rows(name, start, end) if spec.ragged else old.rows(name, start, end)
+                    for name, spec in self.schema.items()
+                }
                 ready: list[PathKey] = []
                 for run in shard_runs:
                     piece = {name: column[run.start : run.start + run.rows] for name, column in rows.items()}
@@ -268,8 +297,12 @@ class Collator:
         batch, rows = self.batch, self.batch.rows
         if not self.open:
             self._open_shards(self.next_batch // self._shard_batches(), {})
-        columns = {name: batch.columns[name][:rows] for name in self.arrays if name != metadata.SOURCE}
+        columns = {name: batch.columns[name][:rows] for name in self.encoders if name in batch.columns}
         columns[metadata.SOURCE] = fmt.stored_column(self.arrays[metadata.SOURCE], metadata.SOURCE, batch.sources)
+        for field_name in self.ragged:
+            offsets, values = ragged.columns_of(batch.columns[field_name][:rows], self.schema_of(field_name))
+            columns[metadata.offsets_array(field_name)] = offsets
+            columns[metadata.values_array(field_name)] = values
         line = BatchLine(self.next_batch, self.open_index, rows, tuple(batch.entries))
         self.in_flight.append(_InFlight(line, self.threads.submit(self._encode, columns), batch.columns))
         self.samples += rows
@@ -277,10 +310,21 @@ class Collator:
         self._advance()
         self.batch = self._new_batch()
 
-    def _encode(self, columns: dict[str, np.ndarray]) -> dict[str, tuple[list[Any], bytes]]:
-        """Each array's chunk of a batch, encoded, and its digest (in this writer thread)."""
-        encoded = {name: self.encoders[name].encode(column) for name, column in columns.items()}
-        return {name: (pieces, chunk_digest(pieces)) for name, pieces in encoded.items()}
+    def schema_of(self, field_name: str) -> metadata.FieldSpec:
+        assert self.schema is not None
+        return self.schema[field_name]
+
+    def _encode(self, columns: dict[str, np.ndarray]) -> dict[str, list[tuple[list[Any], bytes]]]:
+        """Each array's chunks of a batch (one, or a ragged field's values' several), encoded,
+        and their digests (in this writer thread)."""
+        encoded = {}
+        for name, column in columns.items():
+            field_name, part = metadata.ragged_part(name)
+            if part == metadata.VALUES_SUFFIX:
+                encoded[name] = self.ragged[field_name].encode(column)
+            else:
+                encoded[name] = [self.encoders[name].encode(column)]
+        return {name: [(pieces, chunk_digest(pieces)) for pieces in chunks] for name, chunks in encoded.items()}
 
     def _advance(self, block: bool = False) -> None:
         """Place encoded batches in their shards in order and start writing them; take back the
@@ -293,11 +337,13 @@ class Collator:
                 break
             pieces = item.encoding.result()
             item.writing = []
-            for name, (chunk_pieces, digest) in pieces.items():
+            for name, chunks in pieces.items():
                 shard = self.open[name]
+                chunk_pieces = [piece for each, _ in chunks for piece in each]
                 offset, nbytes = shard.reserve(sum(len(piece) for piece in chunk_pieces))
                 item.chunks[name] = (offset, nbytes)
-                shard.add_digest(digest)  # in placement order
+                for _, digest in chunks:
+                    shard.add_digest(digest)  # in placement order
                 for start, data in _slices(chunk_pieces, offset):
                     item.writing.append(self.threads.submit(shard.write, start, data))
         while self.in_flight and self.in_flight[0].writing is not None:
@@ -366,12 +412,12 @@ class Collator:
         if self.open:
             self._close_shards()
         self.threads.shutdown()
+        batches = metadata.num_batches(self.samples, self.config.batch_size)
         for name, arr in self.arrays.items():
-            self.arrays[name] = arr.resized(self.samples)
+            self.arrays[name] = arr.resized(batches if ragged.is_values(arr) else self.samples)
             self.files.write_array(self.arrays[name])
         schema = {name: spec.to_json() for name, spec in (self.schema or {}).items()}
         shard_batches = self.layout.shard_batches if self.layout else 0
-        batches = metadata.num_batches(self.samples, self.config.batch_size)
         shards = -(-batches // shard_batches) if shard_batches else 0
         return Finished(self.samples, shards, shard_batches, schema, round(self.fsync_s, 3), round(self.wait_s, 3))
 

@@ -25,7 +25,7 @@ from batchctl.preprocess import Preprocessor, resolve
 from batchctl.progress import Progress
 from batchctl.records import Finished, Task, TaskResult, WorkItem
 from batchctl.run import staging
-from batchctl.run.rows import check_schema, preprocess_task, provenance_columns, runs_of, schema_of
+from batchctl.run.rows import check_schema, columns_schema, preprocess_task, provenance_columns, runs_of
 from batchctl.run.staging import BuildPaths
 from batchctl.run.tally import Tally
 from batchctl.run.writeplan import Carry
@@ -84,8 +84,7 @@ def run_group(spec: GroupSpec) -> GroupResult:
     for task in spec.tasks:
         result, output = preprocess_task(task, preprocessor, spec.options, spec.source)
         if output is not None:
-            first = {name: column[0] for name, column in output.columns.items()}
-            reason = check_schema(spec.schema, first)
+            reason = check_schema(spec.schema, columns_schema(output.columns))
             if reason:
                 result = TaskResult(task, 0, reason)
                 output = None
@@ -315,9 +314,9 @@ class DaskRun:
         for task in tasks:
             _, output = preprocess_task(task, self.job.preprocessor, self.job.pp_options, self.job.source)
             if output is not None:
-                first = {name: column[0] for name, column in output.columns.items()}
-                if check_schema(schema_of(first), first) is None:
-                    return schema_of(first), output.columns
+                found = columns_schema(output.columns)
+                if check_schema(found, found) is None:
+                    return found, output.columns
         raise PipelineError(f"no samples were produced: all {len(tasks)} files were skipped")
 
     def _client(self) -> Any:

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from batchctl.preprocess import Preprocessor, Sample
+from batchctl.preprocess.base import ragged_rows
 from batchctl.records import SentTask, Task, TaskOutput, TaskResult, describe_error, sent_start
 from batchctl.store import metadata
 from batchctl.store.storage import SourceRoot
@@ -23,17 +24,28 @@ def schema_of(sample: Sample) -> metadata.Schema:
     return {name: metadata.FieldSpec.of(value) for name, value in sample.items()}
 
 
-def check_schema(schema: metadata.Schema, sample: Sample) -> str | None:
-    """Why `sample` does not fit `schema`, or None when it does."""
-    taken = sorted(set(sample) & set(metadata.RESERVED_FIELDS))
+def columns_schema(columns: Mapping[str, np.ndarray]) -> metadata.Schema:
+    """The fields of an output's first row (a ragged field's column holds arrays of rows)."""
+    return {
+        name: metadata.FieldSpec.ragged_of(column[0]) if ragged_rows(column) else metadata.FieldSpec.of(column[0])
+        for name, column in columns.items()
+    }
+
+
+def check_schema(schema: metadata.Schema, found: metadata.Schema) -> str | None:
+    """Why a sample of fields `found` does not fit `schema`, or None when it does."""
+    taken = sorted(set(found) & set(metadata.RESERVED_FIELDS))
     if taken:
         return f"field names {', '.join(taken)} are batchctl's own; rename them in the preprocessor"
-    if set(sample) != set(schema):
-        return f"fields {', '.join(sorted(sample))} differ from the dataset's {', '.join(sorted(schema))}"
-    for name, value in sample.items():
-        got, want = metadata.FieldSpec.of(value), schema[name]
+    odd = sorted(name for name in found if metadata.ragged_part(name)[1])
+    if odd:
+        return f"field name {odd[0]!r} ends as a ragged field's arrays are named; rename it in the preprocessor"
+    if set(found) != set(schema):
+        return f"fields {', '.join(sorted(found))} differ from the dataset's {', '.join(sorted(schema))}"
+    for name, got in found.items():
+        want = schema[name]
         if got != want:
-            return f"field {name!r} is {got.shape} {got.dtype}, the dataset's is {want.shape} {want.dtype}"
+            return f"field {name!r} is {got.describe()}, the dataset's is {want.describe()}"
     return None
 
 

@@ -16,9 +16,10 @@ from typing import Any, cast
 import numpy as np
 
 from batchctl.errors import DatasetReplacedError, FormatError
-from batchctl.store import storage
+from batchctl.store import ragged, storage
 from batchctl.store.codec import NO_CHUNK, own_codecs, parse_shard_index
 from batchctl.store.crc import crc32c
+from batchctl.store.metadata import offsets_array, values_array
 from batchctl.store.zarrmeta import ArrayMeta
 
 _SHARD_CACHE = 4
@@ -37,6 +38,25 @@ class RowReader:
             name: ChunkReader.for_array(self.root, ArrayMeta.of_zarr(arr)) if self.root else None
             for name, arr in arrays.items()
         }
+
+    def ragged_rows(self, field: str, start: int, stop: int) -> np.ndarray:
+        """Rows `start:stop` of the ragged field `field` (an object array of arrays), read batch
+        by batch: each batch's offsets, then its values."""
+        offsets_name, values_name = offsets_array(field), values_array(field)
+        batch_size, total = int(self.arrays[offsets_name].chunks[0]), int(self.arrays[offsets_name].shape[0])
+        local = ValuesReader.for_array(self.root, ArrayMeta.of_zarr(self.arrays[values_name])) if self.root else None
+        out = np.empty(stop - start, dtype=object)
+        for batch in range(start // batch_size, (stop - 1) // batch_size + 1):
+            first, last = batch * batch_size, min((batch + 1) * batch_size, total)
+            offsets = self.rows(offsets_name, first, last)
+            end = int(offsets[:, 1].max()) if len(offsets) else 0
+            values = local.read(batch) if local is not None else np.asarray(self.arrays[values_name][batch, :end])
+            rows = ragged.rows_of(offsets, values, f"{values_name} batch {batch}")
+            lo, hi = max(start, first), min(stop, last)
+            out[lo - start : hi - start] = rows[lo - first : hi - first]
+        if local is not None:
+            local.close()
+        return out
 
     def rows(self, name: str, start: int, stop: int) -> np.ndarray:
         reader, arr = self.readers[name], self.arrays[name]
@@ -263,6 +283,56 @@ class ChunkReader(ChunkLayout):
         if scratch is None:
             scratch = self._local.scratch = np.empty(self.chunk_bytes, np.uint8)
         return cast(np.ndarray, scratch)
+
+
+class ValuesReader:
+    """A ragged field's values of one batch (`F.values`, docs/format.md) straight from a local
+    shard file: the batch's chunks lie one after another, so one pread takes them all; each
+    chunk's checksum is checked."""
+
+    def __init__(self, root: DatasetRoot, arr: ArrayMeta) -> None:
+        self.root, self.arr = root, arr
+        self.encoder = ragged.ValuesEncoder(arr)
+        self.per_shard = int(arr.grid[0])  # batches
+        self.index_bytes = arr.chunks_per_shard * 16 + 4
+        self._shards: dict[int, tuple[io.FileIO, np.ndarray]] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def for_array(cls, root: DatasetRoot, arr: ArrayMeta) -> ValuesReader | None:
+        return cls(root, arr) if ragged.is_values(arr) and ragged.own_layout(arr) else None
+
+    def read(self, batch: int) -> np.ndarray:
+        """Batch `batch`'s values, laid end to end (its last chunk's padding included)."""
+        shard = batch // self.per_shard
+        file, index = self._shard(shard)
+        slots = self.encoder.slots
+        where = f"{self.arr.name} shard {shard}, batch {batch}"
+        offset, nbytes = ragged.batch_place(index[(batch % self.per_shard) * slots :][:slots], self.encoder, where)
+        data = os.pread(file.fileno(), nbytes, offset)
+        if len(data) != nbytes:
+            raise FormatError(f"{where}: the shard file is truncated")
+        return self.encoder.decode(data, where)
+
+    def _shard(self, shard: int) -> tuple[io.FileIO, np.ndarray]:
+        with self._lock:
+            cached = self._shards.get(shard)
+            if cached is None:
+                file = self.root.open(self.arr.shard_key(shard), f"{self.arr.name} shard {shard}")
+                size = os.fstat(file.fileno()).st_size
+                at = size - self.index_bytes
+                raw = os.pread(file.fileno(), self.index_bytes, at) if at >= 0 else b""
+                index = parse_shard_index(raw, self.arr.chunks_per_shard, f"{self.arr.name} shard {shard}")
+                if len(self._shards) >= _SHARD_CACHE:
+                    self._shards.pop(next(iter(self._shards)))[0].close()
+                cached = self._shards[shard] = (file, index)
+        return cached
+
+    def close(self) -> None:
+        with self._lock:
+            for file, _ in self._shards.values():
+                file.close()
+            self._shards = {}
 
 
 class _OpenShard:

@@ -111,10 +111,10 @@ class ChunkEncoder:
         return np.frombuffer(raw, dtype=self.dtype.newbyteorder("<")).reshape(self.chunk_shape).copy()
 
 
-def shard_index_bytes(entries: list[tuple[int, int]], shard_batches: int) -> list[Any]:
-    """The index that ends a shard: (offset, nbytes) of each chunk, little-endian uint64, an empty
-    position marked as all ones, then its crc32c."""
-    index = np.full((shard_batches, 2), NO_CHUNK, dtype="<u8")
+def shard_index_bytes(entries: list[tuple[int, int]], positions: int) -> list[Any]:
+    """The index that ends a shard: (offset, nbytes) of each of its `positions` chunks,
+    little-endian uint64, an empty position marked as all ones, then its crc32c."""
+    index = np.full((positions, 2), NO_CHUNK, dtype="<u8")
     for position, entry in enumerate(entries):
         index[position] = entry
     index_bytes = index.reshape(-1).view(np.uint8)

@@ -29,7 +29,7 @@ import numpy as np
 from batchctl.errors import FormatError
 from batchctl.store import storage
 from batchctl.store.codec import NO_CHUNK, parse_shard_index
-from batchctl.store.metadata import DatasetAttrs
+from batchctl.store.metadata import DatasetAttrs, num_batches
 from batchctl.store.shardhash import ours as _ours, shard_hash
 from batchctl.store.untrusted import NotRegularFile, open_regular
 from batchctl.store.zarrmeta import ZARR_JSON, ArrayMeta, DatasetFiles
@@ -38,13 +38,11 @@ DIGEST_VERSION = 2
 HASH_THREADS = 8  # hashlib releases the GIL on big buffers; the shards are read and hashed side by side
 
 
-def shard_keys(arrays: Mapping[str, ArrayMeta], num_samples: int) -> dict[str, list[str]]:
-    """Every shard file a dataset of `num_samples` rows holds, by array, in shard order."""
-    found = {}
-    for name, arr in arrays.items():
-        shards = -(-num_samples // arr.grid[0]) if arr.grid[0] else 0
-        found[name] = [arr.shard_key(shard) for shard in range(shards)]
-    return found
+def shard_keys(arrays: Mapping[str, ArrayMeta], attrs: DatasetAttrs) -> dict[str, list[str]]:
+    """Every shard file a dataset holds, by array, in shard order (a ragged field's values too:
+    every array has a shard per `shard_batches` batches)."""
+    shards = num_batches(attrs.num_samples, attrs.layout.shard_rows) if attrs.shard_batches else 0
+    return {name: [arr.shard_key(shard) for shard in range(shards)] for name, arr in arrays.items()}
 
 
 def hashes_by_key(arrays: Mapping[str, ArrayMeta], by_shard: Mapping[int, Mapping[str, str]]) -> dict[str, str]:
@@ -76,9 +74,9 @@ def content_digest(
     """The digest of the dataset in `files` whose final attributes are `attrs` (their own
     `digest` left out), and each shard file's hash (`shard_hash`): taken from `known` where
     given, else read. A shard file that is missing counts as such."""
-    keys = shard_keys(arrays, attrs.num_samples)
+    keys = shard_keys(arrays, attrs)
     known = {key: found for key, found in (known or {}).items() if _ours(found)}
-    per_shard = {key: arr.grid[0] // arr.chunks[0] for name, arr in arrays.items() for key in keys[name]}
+    per_shard = {key: arr.chunks_per_shard for name, arr in arrays.items() for key in keys[name]}
     todo = [key for name in sorted(keys) for key in keys[name] if key not in known]
     with ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="batchctl-digest") as pool:
         read = dict(zip(todo, pool.map(lambda key: shard_file_hash(files, key, per_shard[key]), todo), strict=True))

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from batchctl.errors import FormatError, IncompleteDatasetError
-from batchctl.store import storage
+from batchctl.store import metadata, storage
 from batchctl.store.codec import (
     ChunkEncoder,
     shard_index_bytes,
@@ -33,9 +33,12 @@ from batchctl.store.metadata import (
     SOURCE_INDEX,
     ZSTD_LEVEL,
     DatasetAttrs,
+    FieldSpec,
     Layout,
     Schema,
     dimension_names,
+    offsets_array,
+    values_array,
 )
 from batchctl.store.zarrmeta import ArrayMeta, DatasetFiles
 
@@ -116,13 +119,21 @@ def create_arrays(
     `source_bytes` is the `source` array's width; `rows`, the first rows of each field, are what
     `auto` compression measures. Only core Zarr v3 data types, so that every array opens in
     tensorstore, Rust zarrs and anything else that reads Zarr v3."""
-    compressions = field_compressions(compression, schema, layout.batch_size, rows or {})
-    columns: dict[str, tuple[tuple[int, ...], str]] = {name: (spec.shape, spec.dtype) for name, spec in schema.items()}
+    fixed = {name: spec for name, spec in schema.items() if not spec.ragged}
+    compressions = field_compressions(compression, fixed, layout.batch_size, rows or {})
+    columns: dict[str, tuple[tuple[int, ...], str]] = {name: (spec.shape, spec.dtype) for name, spec in fixed.items()}
+    arrays = {}
+    for name, spec in schema.items():
+        if spec.ragged:
+            first = (rows or {}).get(name)
+            first_row = first[0] if first is not None and len(first) else np.empty((0, *spec.shape), spec.dtype)
+            per_chunk = metadata.ragged_chunk_rows(spec, first_row, layout.batch_size)
+            arrays.update(ragged_arrays(name, spec, layout, per_chunk))
+            columns[offsets_array(name)] = ((2,), "int64")  # batchctl's own: zstd under auto
     if labelled:
         columns[LABEL] = ((), "int64")
     columns[SOURCE] = ((source_bytes,), "uint8")
     columns[SOURCE_INDEX] = ((), "int64")
-    arrays = {}
     for name, (row_shape, dtype) in columns.items():
         arrays[name] = ArrayMeta.sharded(
             name,
@@ -133,8 +144,28 @@ def create_arrays(
             compressors(compressions.get(name, "zstd" if compression == "auto" else compression)),
             ("sample", *dimension_names(name, len(row_shape))),
         )
-        files.write_array(arrays[name])
+    for meta in arrays.values():
+        files.write_array(meta)
     return arrays
+
+
+def ragged_arrays(name: str, spec: FieldSpec, layout: Layout, per_chunk: int) -> dict[str, ArrayMeta]:
+    """A ragged field's two arrays (docs/format.md): `F.values`, a row per batch of RAGGED_CHUNKS
+    chunks of `per_chunk` values, stored raw with a crc32c (each chunk the same size); and
+    `F.offsets`, made with the per-sample arrays."""
+    values = values_array(name)
+    capacity = per_chunk * metadata.RAGGED_CHUNKS
+    meta = ArrayMeta.sharded(
+        values,
+        (capacity, *spec.shape),
+        spec.dtype,
+        1,
+        layout.shard_batches,
+        compressors("none"),
+        ("batch", *dimension_names(values, len(spec.shape) + 1)),
+        chunk_row_shape=(per_chunk, *spec.shape),
+    )
+    return {values: meta}
 
 
 def open_dataset_arrays(group: zarr.Group, attrs: DatasetAttrs, where: str) -> dict[str, zarr.Array[Any]]:
@@ -142,7 +173,8 @@ def open_dataset_arrays(group: zarr.Group, attrs: DatasetAttrs, where: str) -> d
     `zarr.json` is gone would silently vanish from every row), all of one length."""
     import zarr
 
-    expected = [*attrs.fields, SOURCE_INDEX, SOURCE] + ([LABEL] if attrs.classes is not None else [])
+    expected = [*metadata.array_names(attrs.schema), SOURCE_INDEX, SOURCE]
+    expected += [LABEL] if attrs.classes is not None else []
     arrays = {}
     for name in expected if attrs.fields else []:
         try:
@@ -155,8 +187,9 @@ def open_dataset_arrays(group: zarr.Group, attrs: DatasetAttrs, where: str) -> d
             raise FormatError(f"{where}: {name!r} is not an array")
         arrays[name] = node
     lengths = {name: arr.shape[0] for name, arr in arrays.items()}
-    if attrs.complete and any(n != attrs.num_samples for n in lengths.values()):
-        odd = ", ".join(f"{name} {n}" for name, n in lengths.items() if n != attrs.num_samples)
+    want = {name: attrs.num_batches if metadata.stores_batches(name) else attrs.num_samples for name in arrays}
+    if attrs.complete and any(n != want[name] for name, n in lengths.items()):
+        odd = ", ".join(f"{name} {n}" for name, n in lengths.items() if n != want[name])
         raise FormatError(
             f"{where}: arrays disagree on the number of rows ({odd}; the dataset has {attrs.num_samples})"
         )
@@ -168,9 +201,10 @@ def check_batch_sizes(arrays: Mapping[str, zarr.Array[Any]], attrs: DatasetAttrs
     before a reader allocates one: a damaged `zarr.json` can claim any shape."""
     limit = _memory_bytes() // 2
     for name, arr in arrays.items():
-        if int(arr.chunks[0]) != attrs.batch_size:
+        rows = 1 if metadata.stores_batches(name) else attrs.batch_size
+        if int(arr.chunks[0]) != rows:
             raise FormatError(
-                f"{where}: {name} is chunked by {arr.chunks[0]} rows, not the batch size {attrs.batch_size}"
+                f"{where}: {name} is chunked by {arr.chunks[0]} rows, not {rows} (the batch size {attrs.batch_size})"
             )
         nbytes = math.prod(int(n) for n in arr.chunks) * np.dtype(arr.dtype).itemsize
         if nbytes > limit:

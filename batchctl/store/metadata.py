@@ -37,23 +37,80 @@ MAX_SKIPPED_LISTED = 1000  # the attributes list this many skipped files (`error
 
 @dataclass(frozen=True)
 class FieldSpec:
-    """Shape and dtype of one sample of a field (the row shape, without the leading N)."""
+    """Shape and dtype of one sample of a field (the row shape, without the leading N). A
+    `ragged` field's rows vary in their first dimension: `shape` is then the rest of a row's
+    shape (`()` for tokens, `(4,)` for boxes), and its JSON shape starts with null."""
 
     shape: tuple[int, ...]
     dtype: str
+    ragged: bool = False
 
     @property
     def row_bytes(self) -> int:
         return math.prod(self.shape) * np.dtype(self.dtype).itemsize
 
     def to_json(self) -> dict[str, Any]:
-        return {"shape": list(self.shape), "dtype": self.dtype}
+        return {"shape": [None] * self.ragged + list(self.shape), "dtype": self.dtype}
+
+    @classmethod
+    def from_json(cls, spec: Mapping[str, Any]) -> FieldSpec:
+        shape = list(spec["shape"])
+        ragged = bool(shape) and shape[0] is None
+        return cls(tuple(int(n) for n in shape[ragged:]), str(spec["dtype"]), ragged)
 
     @classmethod
     def of(cls, value: np.ndarray) -> FieldSpec:
-        return cls(
-            tuple(int(n) for n in value.shape), value.dtype.str if value.dtype.byteorder == ">" else value.dtype.name
-        )
+        return cls(tuple(int(n) for n in value.shape), dtype_name(value))
+
+    @classmethod
+    def ragged_of(cls, value: np.ndarray) -> FieldSpec:
+        """The spec of a ragged field one of whose rows is `value` (its first dimension varies)."""
+        return cls(tuple(int(n) for n in value.shape[1:]), dtype_name(value), ragged=True)
+
+    def describe(self) -> str:
+        """The row shape as users see it: `(n, 4) float32` for a ragged field."""
+        dims = ["n"] * self.ragged + [str(n) for n in self.shape]
+        return f"({', '.join(dims)}{',' * (len(dims) == 1)}) {self.dtype}"
+
+
+def dtype_name(value: np.ndarray) -> str:
+    return value.dtype.str if value.dtype.byteorder == ">" else value.dtype.name
+
+
+# A ragged field F is stored as two arrays (docs/format.md): `F.offsets`, one [start, stop) row per
+# sample, and `F.values`, one row per batch holding its samples' values end to end.
+OFFSETS_SUFFIX = ".offsets"
+VALUES_SUFFIX = ".values"
+RAGGED_CHUNKS = 256  # chunks a batch's values may span: the cap on one batch's values, 256 x the chunk
+RAGGED_CHUNK_BYTES = (2**16, 2**24)  # a values chunk's bounds; about 1/8 of a batch's values within them
+
+
+def offsets_array(field_name: str) -> str:
+    return field_name + OFFSETS_SUFFIX
+
+
+def values_array(field_name: str) -> str:
+    return field_name + VALUES_SUFFIX
+
+
+def array_names(schema: Mapping[str, FieldSpec]) -> list[str]:
+    """The arrays that store these fields (a ragged field's two)."""
+    names: list[str] = []
+    for name, spec in schema.items():
+        names += [offsets_array(name), values_array(name)] if spec.ragged else [name]
+    return names
+
+
+def ragged_chunk_rows(spec: FieldSpec, first_row: np.ndarray, batch_size: int) -> int:
+    """The values per chunk of a ragged field: a power of two near an eighth of a batch's values
+    as the first row suggests (so a batch spans a few chunks, and its last chunk's padding is a
+    small part of it), within RAGGED_CHUNK_BYTES. Fixed by the first row in dispatch order, so
+    a build is reproducible whatever the workers."""
+    low, high = RAGGED_CHUNK_BYTES
+    unit = max(spec.row_bytes, 1)
+    want = max(first_row.nbytes, unit) * batch_size // 8
+    chunk_bytes = min(high, max(low, 1 << max(want - 1, 1).bit_length()))
+    return max(1, chunk_bytes // unit)
 
 
 Schema = dict[str, FieldSpec]
@@ -71,9 +128,10 @@ class Layout:
         return self.batch_size * self.shard_batches
 
 
-def default_shard_batches(batch_size: int, schema: Schema) -> int:
-    """About DEFAULT_SHARD_BYTES of uncompressed data per shard, within MIN/MAX_SHARD_BATCHES."""
-    row_bytes = sum(spec.row_bytes for spec in schema.values()) + 16
+def default_shard_batches(batch_size: int, schema: Schema, ragged_row_bytes: int = 0) -> int:
+    """About DEFAULT_SHARD_BYTES of uncompressed data per shard, within MIN/MAX_SHARD_BATCHES
+    (a ragged field's rows counted as `ragged_row_bytes`, what the first row suggests)."""
+    row_bytes = sum(spec.row_bytes for spec in schema.values() if not spec.ragged) + 16 + ragged_row_bytes
     return min(MAX_SHARD_BATCHES, max(MIN_SHARD_BATCHES, DEFAULT_SHARD_BYTES // (batch_size * row_bytes)))
 
 
@@ -147,7 +205,8 @@ class DatasetAttrs:
         journal.check_classes(self.classes)
         for name, spec in journal.mapping(self.fields, "fields").items():
             shape = journal.mapping(spec, f"field {name!r}").get("shape")
-            for n in journal.sequence(shape, f"the shape of {name!r}"):
+            dims = journal.sequence(shape, f"the shape of {name!r}")
+            for n in dims[1:] if dims and dims[0] is None else dims:  # null first: a ragged field
                 journal.whole(n, f"a dimension of {name!r}")
             if not isinstance(spec.get("dtype"), str):
                 raise FormatError(f"the dtype of {name!r} is {spec.get('dtype')!r}")
@@ -164,6 +223,10 @@ class DatasetAttrs:
     @property
     def layout(self) -> Layout:
         return Layout(self.batch_size, self.shard_batches)
+
+    @property
+    def schema(self) -> Schema:
+        return {name: FieldSpec.from_json(spec) for name, spec in self.fields.items()}
 
 
 @dataclass(frozen=True)
@@ -236,6 +299,9 @@ def dimension_names(name: str, ndim: int) -> list[str]:
     """Each field's own names for its row dimensions (xarray needs names of one size throughout)."""
     if name == SOURCE:
         return ["source_byte"]
+    field_name, part = ragged_part(name)
+    if part == VALUES_SUFFIX:  # a ragged row: its varying length, then the rest of its shape
+        return [f"{field_name}_value", *(f"{field_name}_dim{i}" for i in range(ndim - 1))]
     return [f"{name}_dim{i}" for i in range(ndim)]
 
 
@@ -246,15 +312,43 @@ def describe_arrays(files: DatasetFiles, classes: list[str] | None, notes: Array
     arrays as written."""
     described = {}
     for name, meta in files.arrays().items():
-        note = notes.get(name, {})
+        field_name, part = ragged_part(name)
+        note = notes.get(field_name, {}) if part != OFFSETS_SUFFIX else {}
         named = list(note.get("dimension_names") or ())
         rows = named if len(named) == meta.ndim - 1 else dimension_names(name, meta.ndim - 1)
         attributes = {**meta.attributes, **OWN_ATTRIBUTES.get(name, {}), **dict(note.get("attributes") or {})}
         if name == LABEL and classes is not None:
             attributes["classes"] = list(classes)  # label i is classes[i]
-        described[name] = replace(meta, dimension_names=("sample", *rows), attributes=attributes)
+        first = "sample"
+        if part == OFFSETS_SUFFIX:
+            rows = [f"{field_name}_bound"]
+            attributes.update(ragged_field=field_name, meaning=RAGGED_MEANING.format(field=field_name))
+        elif part == VALUES_SUFFIX:
+            first = "batch"
+            attributes.update(ragged_field=field_name)
+        described[name] = replace(meta, dimension_names=(first, *rows), attributes=attributes)
         files.write_array(described[name])
     return described
+
+
+RAGGED_MEANING = (
+    "[start, stop) of each sample's values in its batch's row of {field}.values: sample i is "
+    "{field}.values[i // batch_size, start:stop]"
+)
+
+
+def stores_batches(array_name: str) -> bool:
+    """Whether the array has a row per batch (a ragged field's values), not one per sample."""
+    return ragged_part(array_name)[1] == VALUES_SUFFIX
+
+
+def ragged_part(array_name: str) -> tuple[str, str]:
+    """(field, suffix) of a ragged field's array (`tokens.values` -> ("tokens", ".values")), or
+    (name, "") for any other array."""
+    for suffix in (OFFSETS_SUFFIX, VALUES_SUFFIX):
+        if array_name.endswith(suffix) and len(array_name) > len(suffix):
+            return array_name[: -len(suffix)], suffix
+    return array_name, ""
 
 
 def write_dataset_attrs(

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from batchctl.errors import FormatError
-from batchctl.store import codec, zarrmeta
+from batchctl.store import codec, ragged, zarrmeta
 from batchctl.store.journal import Chunk
 from batchctl.store.shardhash import shard_hash
 
@@ -30,6 +30,8 @@ class OpenShard:
     ) -> None:
         self.files = files
         self.key = arr.shard_key(shard_index)
+        # a ragged field's values: a batch's place spans several chunks, each its own index entry
+        self.ragged = ragged.ValuesEncoder(arr) if ragged.is_values(arr) else None
         self.chunks = list(chunks)  # already there (resumed), in order
         self.size = chunks[-1][0] + chunks[-1][1] if chunks else 0
         # the chunks' digests in order, where the whole file is written here (`digest.shard_hash`)
@@ -74,7 +76,12 @@ class OpenShard:
 
     def finish(self, shard_batches: int) -> None:
         """Write the index (local: then fsync and close; remote: the whole shard in one PUT)."""
-        index = codec.shard_index_bytes(self.chunks, shard_batches)
+        entries = self.chunks
+        if self.ragged is not None:
+            slots, stored = self.ragged.slots, self.ragged.stored
+            entries = [entry for place in self.chunks for entry in ragged.index_entries(place, slots, stored)]
+            shard_batches *= slots
+        index = codec.shard_index_bytes(entries, shard_batches)
         self.index = b"".join(bytes(piece) for piece in index)
         if self.fd is None:
             pieces = [self.remote[offset] for offset in sorted(self.remote)]

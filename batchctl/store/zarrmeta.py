@@ -63,6 +63,12 @@ class ArrayMeta:
     def shards(self) -> tuple[int, ...] | None:
         return self.grid if self.sharding else None
 
+    @property
+    def chunks_per_shard(self) -> int:
+        """Chunks in one shard, its index's entries: a batch each, or (a ragged field's values)
+        the chunks each batch's values may span, times the batches."""
+        return int(np.prod([g // c for g, c in zip(self.grid, self.chunks, strict=True)]))
+
     def chunk_key(self, coords: Sequence[int]) -> str:
         """The key of the grid cell (a shard, when sharded) at `coords`, relative to the array."""
         parts = [str(int(c)) for c in coords] or ["0"]
@@ -140,10 +146,12 @@ class ArrayMeta:
         shard_rows: int,
         compressors: list[dict[str, Any]],
         dimension_names: Sequence[str],
+        chunk_row_shape: tuple[int, ...] | None = None,
     ) -> ArrayMeta:
         """An empty array (no rows yet) chunked by `chunk_rows` rows and sharded by `shard_rows`,
         its chunks' codecs `bytes` then `compressors`, the shard index checked by crc32c: what
-        zarr-python's `create_array(..., shards=...)` writes."""
+        zarr-python's `create_array(..., shards=...)` writes. A chunk spans whole rows unless
+        `chunk_row_shape` says less (a ragged field's values)."""
         kind = np.dtype(dtype)
         if kind.kind not in STORED_KINDS or not kind.isnative:
             raise FormatError(
@@ -156,7 +164,7 @@ class ArrayMeta:
         sharding = {
             "name": "sharding_indexed",
             "configuration": {
-                "chunk_shape": [chunk_rows, *row_shape],
+                "chunk_shape": [chunk_rows, *(row_shape if chunk_row_shape is None else chunk_row_shape)],
                 "codecs": inner,
                 "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
                 "index_location": "end",
