@@ -326,7 +326,7 @@ def _describe(data: dict[str, Any]) -> str:
     ]
     for name, f in data["fields"].items():
         ratio = f" ratio {f['ratio']}x" if f["ratio"] else ""
-        what = " (UTF-8 paths, zero-padded)" if name == "source" else ""
+        what = f" ({f['note']})" if f.get("note") else ""
         lines.append(
             f"    {name:<14} {str(tuple(f['shape'])):<16} {f['dtype']:<8} chunk {f['chunk_rows']} rows, "
             f"shard {f['shard_rows']} rows, {'+'.join(f['codecs'])}, {size_text(f['stored_bytes'])}{ratio}{what}"

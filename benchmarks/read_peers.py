@@ -8,6 +8,9 @@ output of the same arrays, or torchvision's ImageFolder + Resize/CenterCrop over
     python read_peers.py litdata OUT WORKERS BATCH
     python read_peers.py litdata-remote URL CACHE BATCH
     python read_peers.py torchvision PHOTOS WORKERS BATCH
+    python read_peers.py torchvision-rrc PHOTOS WORKERS BATCH
+    python read_peers.py batchctl-rrc DATASET WORKERS BATCH
+    python read_peers.py loader-rrc DATASET THREADS BATCH
 
 Prints `RATE images/s` for the second of two epochs (the first warms the page cache and starts
 the workers; torchvision's one epoch, whose decoding dwarfs both).
@@ -134,14 +137,60 @@ def run_torchvision(photos: str, workers: int, batch: int) -> float:
     return images / (time.perf_counter() - start)
 
 
+def run_torchvision_rrc(photos: str, workers: int, batch: int) -> float:
+    """ImageFolder + RandomResizedCrop(224) + RandomHorizontalFlip over the original photos in a
+    shuffled DataLoader (issue 46's peer): one epoch. Where torchvision does not import, the same
+    on PIL: decode, convert to RGB, torchvision's crop rules (`augment.random_resized_box`), one
+    bilinear resize of the region (PIL's, as torchvision's PIL path), a flip half the time."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    try:
+        from torchvision import datasets, transforms
+
+        steps = [transforms.RandomResizedCrop(224), transforms.RandomHorizontalFlip(), transforms.PILToTensor()]
+        folder: Any = datasets.ImageFolder(photos, transform=transforms.Compose(steps))
+    except (ImportError, RuntimeError):
+        folder = _PhotoFolder(photos, crop=224)
+        print("STANDIN torchvision does not import here: the same decode, RandomResizedCrop and flip on PIL")
+    loader = DataLoader(folder, batch_size=batch, shuffle=True, num_workers=workers, drop_last=True)
+    images, start = 0, time.perf_counter()
+    for image, _label in loader:
+        assert isinstance(image, torch.Tensor)
+        images += len(image)
+    return images / (time.perf_counter() - start)
+
+
+def run_batchctl_rrc(path: str, workers: int, batch: int) -> float:
+    """`IterableBatches` decoding the stored JPEGs with RandomResizedCrop(224) + flip in the
+    DataLoader's workers (each decodes in its loader's threads): the second of two epochs."""
+    from torch.utils.data import DataLoader
+
+    from batchctl.torch import IterableBatches
+
+    stream = IterableBatches(path, batch_size=batch, mix=16, random_resized_crop=224, flip=True)
+    kept = workers > 0
+    return timed_epochs(DataLoader(stream, batch_size=None, num_workers=workers, persistent_workers=kept))
+
+
+def run_loader_rrc(path: str, threads: int, batch: int) -> float:
+    """batchctl's own loader decoding with RandomResizedCrop(224) + flip in its read threads
+    (`prefetch` stored batches in flight; one thread per core): the second of two epochs."""
+    import batchctl
+
+    del threads  # the loader takes one thread per core
+    return timed_epochs(batchctl.open(path).loader(batch_size=batch, mix=16, random_resized_crop=224, flip=True))
+
+
 class _PhotoFolder:
     """ImageFolder's listing (class folders, sorted) and one photo decoded per item."""
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, crop: int = 0) -> None:
         from pathlib import Path
 
         classes = sorted(p.name for p in Path(root).iterdir() if p.is_dir())
         self.items = [(f, c) for c, name in enumerate(classes) for f in sorted((Path(root) / name).iterdir())]
+        self.crop = crop  # RandomResizedCrop(crop) + flip; 0: Resize(256) + CenterCrop(224)
 
     def __len__(self) -> int:
         return len(self.items)
@@ -152,7 +201,25 @@ class _PhotoFolder:
         from batchctl.preprocess.image import preprocess_image
 
         path, label = self.items[index]
+        if self.crop:
+            return torch.from_numpy(_random_resized_crop(path, self.crop)).permute(2, 0, 1), label
         return torch.from_numpy(preprocess_image(path)["image"]).permute(2, 0, 1), label
+
+
+def _random_resized_crop(path: Any, size: int) -> Any:
+    import numpy as np
+    from PIL import Image
+
+    from batchctl.read.augment import random_resized_box
+
+    rng = np.random.default_rng()
+    with Image.open(path) as img:
+        rgb = img.convert("RGB")
+    left, top, w, h = random_resized_box(rgb.width, rgb.height, (0.08, 1.0), (3 / 4, 4 / 3), rng)
+    out = rgb.resize((size, size), Image.Resampling.BILINEAR, box=(left, top, left + w, top + h))
+    if rng.random() < 0.5:
+        out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    return np.asarray(out)
 
 
 if __name__ == "__main__":
@@ -168,5 +235,8 @@ if __name__ == "__main__":
         "batchctl-augment": run_batchctl_augment,
         "litdata": run_litdata,
         "torchvision": run_torchvision,
+        "torchvision-rrc": run_torchvision_rrc,
+        "batchctl-rrc": run_batchctl_rrc,
+        "loader-rrc": run_loader_rrc,
     }[mode]
     print("RATE", run(args[0], int(args[1]), int(args[2])), flush=True)

@@ -596,6 +596,7 @@ SECTIONS = [
     "read",
     "read_once",
     "remote",
+    "encoded",
 ]
 
 
@@ -668,6 +669,10 @@ def main() -> None:
             from read_once import bench_read_once
 
             bench_read_once(root, results, lambda src, out, *extra: batchctl_cmd(src, out, CORES, *extra))
+        if "encoded" in todo:
+            from encoded import bench_encoded
+
+            bench_encoded(root, results, lambda src, out, *extra: batchctl_cmd(src, out, CORES, *extra))
         if "remote" in todo:
             from remote import bench_remote
 

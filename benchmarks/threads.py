@@ -65,4 +65,3 @@ def bench_threads(root: Path, results: dict[str, Any], photos: int = 1000, npys:
     finally:
         shutil.rmtree(shm, ignore_errors=True)
     results["threads"] = figures
-

@@ -270,3 +270,18 @@ def test_a_mixture_of_ragged_datasets_keeps_each_row_exact(docs: tuple[Path, Pat
         for row, (source, which) in enumerate(zip(batch["source"], batch["dataset"], strict=True)):
             want, _ = expected_rows(folder if which == 0 else other_folder, source)
             assert np.array_equal(batch["tokens"][row], want)
+
+
+def test_shards_of_empty_rows_only(tmp_path: Path) -> None:
+    """A shard whose batches hold no values at all (every row empty) is an index alone: it reads,
+    verifies and keeps its digest."""
+    folder = tmp_path / "src"
+    folder.mkdir()
+    for i in range(10):
+        (folder / f"empty{i}.txt").write_bytes(b"")
+    out = tmp_path / "empty.zarr"
+    build(folder, out, "--batch-size", "4", "--shard-batches", "1")
+    ds = batchctl.open(out)
+    assert all(len(row) == 0 for i in range(len(ds)) for row in ds[i]["tokens"])
+    assert sum(len(ds[i]["tokens"]) for i in range(len(ds))) == 10
+    assert [str(p) for p in verify(out)] == []

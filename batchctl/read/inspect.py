@@ -43,6 +43,7 @@ def info(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None
             else [],
             "stored_bytes": stored,
             "ratio": round(raw / chunk_bytes, 2) if raw and chunk_bytes else None,
+            "note": _array_note(ds, name),
         }
     histogram = None
     if ds.classes is not None and metadata.LABEL in ds.arrays:
@@ -72,6 +73,20 @@ def info(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None
         "batchctl_version": build.batchctl_version if build else None,
         "format_version": attrs.format_version,
     }
+
+
+def _array_note(ds: Dataset, name: str) -> str | None:
+    """What an array is, where its name does not say: `source`'s encoding, a ragged field's parts."""
+    field_name, part = metadata.ragged_part(name)
+    if name == metadata.SOURCE:
+        return "UTF-8 paths, zero-padded"
+    if part == metadata.OFFSETS_SUFFIX:
+        return f"ragged {field_name}: each sample's [start, stop) in its batch's row of values"
+    if part == metadata.VALUES_SUFFIX:
+        encoding = ds.encodings.get(field_name)
+        encoded = f": {encoding} (decode with loader(random_resized_crop=... or center_crop=...))" if encoding else ""
+        return f"ragged {field_name}'s values, a row per batch{encoded}"
+    return None
 
 
 def _consolidated_problems(ds: Dataset) -> list[Problem]:

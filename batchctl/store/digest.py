@@ -117,9 +117,8 @@ def shard_file_hash(files: DatasetFiles, key: str, per_shard: int) -> str:
             except FormatError:
                 return "damaged: its index does not read"
             ends = sorted((int(offset), int(offset + length)) for offset, length in present)
-            if [start for start, _ in ends] != [0, *(end for _, end in ends[:-1])] or (
-                ends[-1][1] if ends else 0
-            ) + len(raw) != size:
+            starts = [0, *(end for _, end in ends[:-1])] if ends else []  # (a ragged field's shard may hold none)
+            if [start for start, _ in ends] != starts or (ends[-1][1] if ends else 0) + len(raw) != size:
                 return "damaged: its chunks and index do not tile it"
             return shard_hash((hashlib.sha256(read(int(o), int(o + n))).digest() for o, n in present), raw)
     except FileNotFoundError:
