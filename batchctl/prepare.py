@@ -76,7 +76,10 @@ def _decodes(paths: BuildPaths, arrays: Mapping[str, ArrayMeta], journal: Journa
     try:
         for name, arr in arrays.items():
             stored = read_chunk(arr, partial.shard, paths.staging, partial.chunks[name])
-            codec.ChunkEncoder.for_array(arr).decode(stored)
+            if ragged.is_values(arr):
+                ragged.ValuesEncoder(arr).decode(stored, partial.chunks[name])
+            else:
+                codec.ChunkEncoder.for_array(arr).decode(stored)
     except (OSError, ValueError, RuntimeError, KeyError):  # FormatError is a ValueError
         return False
     return True
@@ -155,7 +158,7 @@ def _read_record(paths: BuildPaths, attrs: meta.DatasetAttrs, sha256: str) -> Re
     return None
 
 
-def _tail_chunks(paths: BuildPaths, record: Record) -> dict[str, tuple[tuple[int, int], ...]]:
+def _tail_chunks(paths: BuildPaths, record: Record) -> dict[str, tuple[tuple[int, ...], ...]]:
     """(offset, nbytes) of each chunk of the published last shard of every array, from its index,
     when that shard is short (local OUTPUT: only there is a shard kept open)."""
     last = record.batches[-1].shard if record.batches else -1
@@ -169,7 +172,7 @@ def _tail_chunks(paths: BuildPaths, record: Record) -> dict[str, tuple[tuple[int
         places: list[Any] = codec.read_shard_index(path, arr.chunks_per_shard)
         if ragged.is_values(arr):  # a batch's values span several chunks: its place is all of them
             places = ragged.batch_places(np.array(places, dtype=np.uint64), ragged.ValuesEncoder(arr), str(path))
-        found[name] = tuple((int(offset), int(nbytes)) for offset, nbytes in places)
+        found[name] = tuple(tuple(int(n) for n in place) for place in places)
     return found
 
 

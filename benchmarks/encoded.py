@@ -134,20 +134,25 @@ def _ragged_tokens(root: Path, build_cmd: Callable[..., list[str]]) -> dict[str,
         total += len(ids)
     plugin = root / "token_plugins.py"
     plugin.write_text(TOKENS_PLUGIN)
-    ragged_out, padded_out = root / "ragged.zarr", root / "padded.zarr"
-    for out, fn in ((ragged_out, "tokens"), (padded_out, "padded")):
-        cmd = build_cmd(docs, out, "--batch-size", "64", "--preprocess", f"{plugin}:{fn}")
+    ragged_out, zstd_out, padded_out = root / "ragged.zarr", root / "ragged-zstd.zarr", root / "padded.zarr"
+    for out, fn, extra in (
+        (ragged_out, "tokens", ()),
+        (zstd_out, "tokens", ("--compression", "zstd")),
+        (padded_out, "padded", ()),
+    ):
+        cmd = build_cmd(docs, out, "--batch-size", "64", "--preprocess", f"{plugin}:{fn}", *extra)
         subprocess.run(cmd, check=True, capture_output=True)
     rates: dict[str, list[float]] = {}
     for _ in range(ROUNDS):
         for mode in ("list", "pad"):
             rates.setdefault(f'ragged, ragged="{mode}"', []).append(_rows_rate(ragged_out, {"ragged": mode}))
+        rates.setdefault('ragged, --compression zstd, ragged="list"', []).append(_rows_rate(zstd_out, {}))
         rates.setdefault("padded to 2,000 in a fixed field (+ length)", []).append(_rows_rate(padded_out, {}))
     padded = statistics.median(rates["padded to 2,000 in a fixed field (+ length)"])
     return {
         "files": TOKEN_FILES,
         "mean_tokens": round(total / TOKEN_FILES, 1),
-        "bytes": {"ragged": _bytes(ragged_out), "padded": _bytes(padded_out)},
+        "bytes": {"ragged": _bytes(ragged_out), "ragged_zstd": _bytes(zstd_out), "padded": _bytes(padded_out)},
         "rows_per_s": {name: round(statistics.median(found), 1) for name, found in rates.items()},
         "vs_padded": {name: round(statistics.median(found) / padded, 2) for name, found in rates.items()},
     }

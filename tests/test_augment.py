@@ -163,3 +163,12 @@ def test_torch_workers_decode_and_crop(encoded: dict[str, Path]) -> None:
     batches = list(DataLoader(stream, batch_size=None, num_workers=2))
     assert batches and all(b["image"].shape == (8, 48, 48, 3) and b["image"].dtype == torch.uint8 for b in batches)
     assert batches[0]["height"].dtype == torch.int32
+
+
+def test_preview_draws_the_stored_pictures(encoded: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / "grid.png"
+    result = run_cli("preview", encoded["jpeg"], "-o", out, "--count", "4")
+    assert result.returncode == 0, result.stderr
+    with Image.open(out) as img:
+        colours = {tuple(v) for v in np.asarray(img.convert("RGB")).reshape(-1, 3)[::53].tolist()}
+    assert len(colours) > 50  # pictures, not the bytes of their files drawn as pixels

@@ -140,20 +140,24 @@ def test_ragged_rows_resume_exactly_on_another_world_size(docs: tuple[Path, Path
     assert rest == interleaved[6:]
 
 
-def test_rebuilds_are_reproducible_and_incremental(tmp_path: Path) -> None:
+@pytest.mark.parametrize("compression", ["auto", "none"])
+def test_rebuilds_are_reproducible_and_incremental(tmp_path: Path, compression: str) -> None:
     """The same files give the same bytes whatever --workers; a grown folder is built
     incrementally (kept shards, the last one kept open, carried rows) into what a fresh build of
-    the new folder reads as, row for row."""
+    the new folder reads as, row for row. Values zstd-compressed (`auto`: these bytes shrink) or raw."""
     folder = tmp_path / "src"
     write_docs(folder, 100, seed=7)
     one, two = tmp_path / "one.zarr", tmp_path / "two.zarr"
-    build(folder, one, "--workers", "1", "--shard-batches", "2")
-    build(folder, two, "--workers", "2", "--shard-batches", "2")
+    build(folder, one, "--workers", "1", "--shard-batches", "2", "--compression", compression)
+    build(folder, two, "--workers", "2", "--shard-batches", "2", "--compression", compression)
+    codecs = {"auto": ["bytes", "zstd"], "none": ["bytes", "crc32c"]}[compression]
+    values = json.loads((one / "tokens.values" / "zarr.json").read_text())["codecs"][0]["configuration"]["codecs"]
+    assert [codec["name"] for codec in values] == codecs
     assert batchctl.open(one).build_id == batchctl.open(two).build_id
     write_docs(folder, 20, seed=8, start=100)  # added
     (folder / "doc0003.txt").write_bytes(b"changed")  # changed: its shard is rewritten, the rest kept
     report = tmp_path / "report.json"
-    build(folder, one, "--workers", "2", "--shard-batches", "2", "--report", str(report))
+    build(folder, one, "--workers", "2", "--shard-batches", "2", "--compression", compression, "--report", str(report))
     done = json.loads(report.read_text())
     assert done["added"]["count"] == 20 and done["changed"]["count"] == 1
     assert done["kept_samples"] > done["carried_samples"] > 0  # shards kept whole, rows carried from the rewritten one
@@ -169,7 +173,8 @@ def test_rebuilds_are_reproducible_and_incremental(tmp_path: Path) -> None:
     assert [str(p) for p in verify(one)] == []
 
 
-def test_interrupted_ragged_builds_resume_to_every_row_exactly_once(tmp_path: Path) -> None:
+@pytest.mark.parametrize("compression", ["zstd", "none"])
+def test_interrupted_ragged_builds_resume_to_every_row_exactly_once(tmp_path: Path, compression: str) -> None:
     """SIGINT, SIGTERM or SIGKILL at random moments (the first second included); each rerun
     resumes, and the dataset ends with every file once, its rows exact, the digest a fresh
     build's."""
@@ -177,19 +182,20 @@ def test_interrupted_ragged_builds_resume_to_every_row_exactly_once(tmp_path: Pa
     write_docs(folder, 120, seed=9)
     out, fresh = tmp_path / "data.zarr", tmp_path / "fresh.zarr"
     args = ["build", folder, "-o", out, "--preprocess", PLUGIN, "--batch-size", "16", "--shard-batches", "2"]
+    args += ["--compression", compression]
     rng = random.Random(46)
     for _ in range(6):
         proc = start_cli(*args, "--option", "delay=0.03")
         time.sleep(rng.uniform(0.2, 1.5))
         kill_group(proc, rng.choice([signal.SIGINT, signal.SIGTERM, signal.SIGKILL]))
         _, stderr = proc.communicate(timeout=30)
-        assert "Traceback" not in stderr
+        assert "Traceback" not in stderr, stderr
         assert wait_group_gone(proc.pid) == []
         if proc.returncode == 0:
             break
     result = run_cli(*args, "--option", "delay=0.03")
     assert result.returncode == 0, result.stderr
-    build(folder, fresh, "--shard-batches", "2", "--option", "delay=0.03")
+    build(folder, fresh, "--shard-batches", "2", "--option", "delay=0.03", "--compression", compression)
     ds = batchctl.open(out)
     sources = [s for i in range(len(ds)) for s in ds[i]["source"]]
     assert sorted(sources) == sorted(p.name for p in folder.iterdir())

@@ -259,7 +259,7 @@ def _still_there(interrupted: Interrupted) -> Journaled:
         for name in interrupted.arrays:
             if name not in batch.chunks:
                 raise Untrusted(f"journal: batch {batch.batch} has no chunk of {name!r}")
-            offset, nbytes = batch.chunks[name]
+            offset, nbytes = batch.chunks[name][:2]
             if interrupted.shard_sizes.get((name, batch.shard), -1) < offset + nbytes:
                 return False
         return True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import math
 import os
 from collections.abc import Mapping
@@ -32,7 +33,9 @@ def preview(
     rows = ds[batch]
     count = min(count, len(rows["source"]))
     captions = [_caption(ds, rows, i) for i in range(count)]
-    if "image" in rows:
+    if "image" in rows and "image" in ds.encodings:  # `--store jpeg`/`png`: each row a picture's bytes
+        tiles = [_image_tile(_decoded(rows["image"][i])) for i in range(count)]
+    elif "image" in rows:
         tiles = [_image_tile(rows["image"][i]) for i in range(count)]
     elif "audio" in rows:
         tiles = [_waveform_tile(rows["audio"][i]) for i in range(count)]
@@ -65,6 +68,11 @@ def _caption(ds: Dataset, rows: dict[str, np.ndarray], i: int) -> str:
     if ds.classes is not None and "label" in rows:
         return ds.classes[int(rows["label"][i])]
     return str(rows["source"][i]).rsplit("/", 1)[-1]
+
+
+def _decoded(data: np.ndarray) -> np.ndarray:
+    with Image.open(io.BytesIO(data.tobytes())) as image:
+        return np.asarray(image.convert("RGB"))
 
 
 def _image_tile(pixels: np.ndarray) -> Image.Image:

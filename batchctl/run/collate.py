@@ -148,7 +148,8 @@ class Collator:
             for name, arr in self.arrays.items()
         }
         for field_name, encoder in self.ragged.items():
-            values = encoder.decode(stored.pop(metadata.values_array(field_name)), encoder.name)
+            place = partial.chunks[metadata.values_array(field_name)]
+            values = encoder.decode(stored.pop(metadata.values_array(field_name)), place, encoder.name)
             offsets = self.encoders[metadata.offsets_array(field_name)].decode(
                 stored.pop(metadata.offsets_array(field_name))
             )
@@ -300,7 +301,7 @@ class Collator:
         columns = {name: batch.columns[name][:rows] for name in self.encoders if name in batch.columns}
         columns[metadata.SOURCE] = fmt.stored_column(self.arrays[metadata.SOURCE], metadata.SOURCE, batch.sources)
         for field_name in self.ragged:
-            offsets, values = ragged.columns_of(batch.columns[field_name][:rows], self.schema_of(field_name))
+            offsets, values = ragged.columns_of(batch.columns[field_name][:rows], self._spec(field_name))
             columns[metadata.offsets_array(field_name)] = offsets
             columns[metadata.values_array(field_name)] = values
         line = BatchLine(self.next_batch, self.open_index, rows, tuple(batch.entries))
@@ -310,7 +311,7 @@ class Collator:
         self._advance()
         self.batch = self._new_batch()
 
-    def schema_of(self, field_name: str) -> metadata.FieldSpec:
+    def _spec(self, field_name: str) -> metadata.FieldSpec:
         assert self.schema is not None
         return self.schema[field_name]
 
@@ -340,11 +341,11 @@ class Collator:
             for name, chunks in pieces.items():
                 shard = self.open[name]
                 chunk_pieces = [piece for each, _ in chunks for piece in each]
-                offset, nbytes = shard.reserve(sum(len(piece) for piece in chunk_pieces))
-                item.chunks[name] = (offset, nbytes)
+                place = shard.reserve([sum(len(piece) for piece in each) for each, _ in chunks])
+                item.chunks[name] = place
                 for _, digest in chunks:
                     shard.add_digest(digest)  # in placement order
-                for start, data in _slices(chunk_pieces, offset):
+                for start, data in _slices(chunk_pieces, place[0]):
                     item.writing.append(self.threads.submit(shard.write, start, data))
         while self.in_flight and self.in_flight[0].writing is not None:
             oldest = self.in_flight[0]

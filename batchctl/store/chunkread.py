@@ -308,11 +308,11 @@ class ValuesReader:
         file, index = self._shard(shard)
         slots = self.encoder.slots
         where = f"{self.arr.name} shard {shard}, batch {batch}"
-        offset, nbytes = ragged.batch_place(index[(batch % self.per_shard) * slots :][:slots], self.encoder, where)
-        data = os.pread(file.fileno(), nbytes, offset)
-        if len(data) != nbytes:
+        place = ragged.batch_place(index[(batch % self.per_shard) * slots :][:slots], self.encoder, where)
+        data = os.pread(file.fileno(), place[1], place[0])
+        if len(data) != place[1]:
             raise FormatError(f"{where}: the shard file is truncated")
-        return self.encoder.decode(data, where)
+        return self.encoder.decode(data, place, where)
 
     def _shard(self, shard: int) -> tuple[io.FileIO, np.ndarray]:
         with self._lock:

@@ -7,6 +7,7 @@ zarr-python's speed); `own_codecs` says which layouts these apply to.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -111,12 +112,12 @@ class ChunkEncoder:
         return np.frombuffer(raw, dtype=self.dtype.newbyteorder("<")).reshape(self.chunk_shape).copy()
 
 
-def shard_index_bytes(entries: list[tuple[int, int]], positions: int) -> list[Any]:
+def shard_index_bytes(entries: Sequence[tuple[int, ...]], positions: int) -> list[Any]:
     """The index that ends a shard: (offset, nbytes) of each of its `positions` chunks,
     little-endian uint64, an empty position marked as all ones, then its crc32c."""
     index = np.full((positions, 2), NO_CHUNK, dtype="<u8")
     for position, entry in enumerate(entries):
-        index[position] = entry
+        index[position] = entry[:2]
     index_bytes = index.reshape(-1).view(np.uint8)
     return [index_bytes, _crc32c_bytes(index_bytes)]
 

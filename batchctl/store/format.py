@@ -67,13 +67,18 @@ def field_compressions(
 
 
 def _zstd_pays(rows: np.ndarray | None, batch_size: int) -> bool:
-    import numcodecs  # (~40 ms, paid where compression is measured: the collator, its fork server preloads it)
 
     if rows is None or rows.nbytes == 0:
         return True
     row_bytes = max(1, rows[0].nbytes)
     sample = np.ascontiguousarray(rows[: max(1, min(batch_size, AUTO_SAMPLE_BYTES // row_bytes))])
-    raw = sample.reshape(-1).view(np.uint8)
+    return _shrinks(sample.reshape(-1).view(np.uint8))
+
+
+def _shrinks(raw: np.ndarray) -> bool:
+    """Whether zstd (level ZSTD_LEVEL) shrinks these bytes to AUTO_KEEP of them or less."""
+    import numcodecs
+
     return len(numcodecs.Zstd(level=ZSTD_LEVEL).encode(raw)) <= AUTO_KEEP * raw.nbytes
 
 
@@ -128,7 +133,7 @@ def create_arrays(
             first = (rows or {}).get(name)
             first_row = first[0] if first is not None and len(first) else np.empty((0, *spec.shape), spec.dtype)
             per_chunk = metadata.ragged_chunk_rows(spec, first_row, layout.batch_size)
-            arrays.update(ragged_arrays(name, spec, layout, per_chunk))
+            arrays.update(ragged_arrays(name, spec, layout, per_chunk, values_compression(compression, first_row)))
             columns[offsets_array(name)] = ((2,), "int64")  # batchctl's own: zstd under auto
     if labelled:
         columns[LABEL] = ((), "int64")
@@ -149,9 +154,21 @@ def create_arrays(
     return arrays
 
 
-def ragged_arrays(name: str, spec: FieldSpec, layout: Layout, per_chunk: int) -> dict[str, ArrayMeta]:
+def values_compression(compression: str, first_row: np.ndarray) -> str:
+    """A ragged field's values: `none` stays raw, `zstd` and `blosc` are zstd (each chunk a zstd
+    frame), and `auto` is zstd where the first row (in dispatch order: the same whatever the
+    workers) shrinks to half or less (token ids do; encoded images do not)."""
+    if compression in ("none", "zstd"):
+        return compression
+    if compression == "blosc":
+        return "zstd"
+    raw = np.ascontiguousarray(first_row).reshape(-1).view(np.uint8)[:AUTO_SAMPLE_BYTES]
+    return "zstd" if not raw.nbytes or _shrinks(raw) else "none"
+
+
+def ragged_arrays(name: str, spec: FieldSpec, layout: Layout, per_chunk: int, compression: str) -> dict[str, ArrayMeta]:
     """A ragged field's two arrays (docs/format.md): `F.values`, a row per batch of RAGGED_CHUNKS
-    chunks of `per_chunk` values, stored raw with a crc32c (each chunk the same size); and
+    chunks of `per_chunk` values, raw with a crc32c or zstd-compressed (`compression`); and
     `F.offsets`, made with the per-sample arrays."""
     values = values_array(name)
     capacity = per_chunk * metadata.RAGGED_CHUNKS
@@ -161,7 +178,7 @@ def ragged_arrays(name: str, spec: FieldSpec, layout: Layout, per_chunk: int) ->
         spec.dtype,
         1,
         layout.shard_batches,
-        compressors("none"),
+        compressors(compression),
         ("batch", *dimension_names(values, len(spec.shape) + 1)),
         chunk_row_shape=(per_chunk, *spec.shape),
     )

@@ -22,7 +22,9 @@ from batchctl.store.shardhash import is_shard_hash
 MAX_COUNT = 2**63 - 1  # what an int64 holds: beyond any real count of rows, bytes or shards, or mtime in ns
 ENGINES = ("local", "dask")
 
-Chunk = tuple[int, int]  # (offset, nbytes) of a chunk in its shard file
+# (offset, nbytes) of a batch's chunk in its shard file; a ragged field's values, which span several
+# chunks there, compressed to sizes of their own: (offset, nbytes, size of each chunk, ...)
+Chunk = tuple[int, ...]
 
 
 class Untrusted(FormatError):
@@ -126,7 +128,8 @@ def parse_lines(values: Iterable[Any], batch_size: int) -> list[Line]:
 
 
 def parse_batch(value: Any, batch_size: int, chunks: bool) -> BatchLine:
-    """A batch line `{"batch", "shard", "rows", "files"}` (with `chunks`: `{array: [offset, nbytes]}`)."""
+    """A batch line `{"batch", "shard", "rows", "files"}` (with `chunks`: `{array: [offset, nbytes]}`,
+    a ragged field's compressed values `[offset, nbytes, size, ...]`: each chunk's size, adding up)."""
     batch = mapping(value, "the line")
     number = whole(batch.get("batch"), "batch")
     shard = whole(batch.get("shard"), "shard")
@@ -135,9 +138,12 @@ def parse_batch(value: Any, batch_size: int, chunks: bool) -> BatchLine:
     places: dict[str, Chunk] = {}
     if chunks:
         for name, place in mapping(batch.get("chunks"), "chunks").items():
-            if not isinstance(place, list) or len(place) != 2:
+            if not isinstance(place, list) or len(place) < 2:
                 raise Untrusted(f"the place of chunk {name!r} is {place!r}, not [offset, nbytes]")
-            places[name] = (whole(place[0], "a chunk's offset"), whole(place[1], "a chunk's size"))
+            found = tuple(whole(n, "a chunk's offset or size") for n in place)
+            if len(found) > 2 and sum(found[2:]) != found[1]:
+                raise Untrusted(f"the chunk sizes of {name!r} do not add up to its {found[1]} bytes")
+            places[name] = found
     return BatchLine(number, shard, rows, files, places)
 
 

@@ -12,6 +12,7 @@ import numpy as np
 from batchctl.errors import FormatError
 from batchctl.store.codec import NO_CHUNK, _crc32c_bytes
 from batchctl.store.crc import crc32c
+from batchctl.store.journal import Chunk
 from batchctl.store.metadata import FieldSpec
 from batchctl.store.zarrmeta import ArrayMeta
 
@@ -23,13 +24,13 @@ def is_values(arr: ArrayMeta) -> bool:
 
 def own_layout(arr: ArrayMeta) -> bool:
     """Whether a ragged field's values are laid out as batchctl writes them (`ValuesEncoder`):
-    raw little-endian chunks with a crc32c, the index at the end, a batch a row."""
+    little-endian chunks, raw with a crc32c or zstd-compressed, the index at the end, a batch a row."""
     config = arr.sharding or {}
     inner = [codec.get("name") for codec in config.get("codecs", ())]
     index = [codec.get("name") for codec in config.get("index_codecs", ())]
     endian = ((config.get("codecs") or [{}])[0].get("configuration") or {}).get("endian", "little")
     return (
-        inner == ["bytes", "crc32c"]
+        inner in (["bytes", "crc32c"], ["bytes", "zstd"])
         and index == ["bytes", "crc32c"]
         and config.get("index_location") == "end"
         and endian == "little"
@@ -42,9 +43,9 @@ def own_layout(arr: ArrayMeta) -> bool:
 
 class ValuesEncoder:
     """A batch's values of a ragged field as the chunks of its row of `F.values` (docs/format.md):
-    `per_chunk` values a chunk, the last padded with the fill value, each chunk its raw
-    little-endian bytes then a crc32c. Every chunk has the same stored size, so a batch's place in
-    its shard ([offset, nbytes], as for any array) says where each of its chunks is."""
+    `per_chunk` values a chunk, the last padded with the fill value, each chunk its little-endian
+    bytes then a crc32c (every chunk the same stored size), or zstd-compressed with its frame
+    checksum (each chunk's size in the batch's place: `Chunk` `(offset, nbytes, size, ...)`)."""
 
     def __init__(self, arr: ArrayMeta) -> None:
         self.chunk_shape = tuple(int(n) for n in arr.chunks)  # (1, per_chunk, *rest)
@@ -53,8 +54,15 @@ class ValuesEncoder:
         self.dtype = np.dtype(arr.dtype)
         self.fill = arr.fill_value
         self.chunk_bytes = int(np.prod(self.chunk_shape)) * self.dtype.itemsize
-        self.stored = self.chunk_bytes + 4
+        self.stored = self.chunk_bytes + 4  # a raw chunk's stored size
         self.name = arr.name
+        inner = (arr.sharding or {}).get("codecs", ())
+        self.zstd: Any = None
+        if any(codec.get("name") == "zstd" for codec in inner):
+            import numcodecs  # (~40 ms, paid by the processes that code compressed values)
+
+            config = next(codec.get("configuration") or {} for codec in inner if codec.get("name") == "zstd")
+            self.zstd = numcodecs.Zstd(level=config.get("level", 0), checksum=config.get("checksum", False))
 
     @property
     def capacity(self) -> int:
@@ -73,29 +81,54 @@ class ValuesEncoder:
         padded[: len(values)] = values
         raw = padded.reshape(-1).view(np.uint8)
         pieces = [raw[i * self.chunk_bytes : (i + 1) * self.chunk_bytes] for i in range(count)]
+        if self.zstd is not None:
+            return [[self.zstd.encode(piece)] for piece in pieces]
         return [[piece, _crc32c_bytes(piece)] for piece in pieces]
 
-    def decode(self, data: bytes | memoryview, where: str = "") -> np.ndarray:
-        """A batch's stored chunks, laid end to end, back to its values (padding included),
-        every chunk's checksum checked."""
+    def place(self, offset: int, sizes: list[int]) -> Chunk:
+        """A batch's place in its shard: its chunks' `sizes` from `offset` (raw chunks all have one
+        size, so their place is `(offset, nbytes)` as any array's)."""
+        total = sum(sizes)
+        return (offset, total) if self.zstd is None else (offset, total, *sizes)
+
+    def sizes(self, place: Chunk) -> list[int]:
+        """Each chunk's stored size, from a batch's place."""
+        if self.zstd is None:
+            return [self.stored] * (place[1] // self.stored)
+        return list(place[2:])
+
+    def decode(self, data: bytes | memoryview, place: Chunk, where: str = "") -> np.ndarray:
+        """A batch's stored chunks (at `place`), laid end to end, back to its values (padding
+        included), every chunk's checksum checked."""
         view = memoryview(data).cast("B")
-        if len(view) % self.stored:
+        sizes = self.sizes(place)
+        if sum(sizes) != len(view) or (self.zstd is None and len(view) % self.stored):
             raise FormatError(f"{where}: " * bool(where) + "the values are not whole chunks")
-        out = np.empty((len(view) // self.stored) * self.chunk_bytes, np.uint8)
-        for i in range(len(view) // self.stored):
-            chunk = view[i * self.stored : (i + 1) * self.stored]
-            if crc32c(chunk[:-4]) != int.from_bytes(chunk[-4:], "little"):
+        out = np.empty(len(sizes) * self.chunk_bytes, np.uint8)
+        at = 0
+        for i, size in enumerate(sizes):
+            chunk, target = view[at : at + size], out[i * self.chunk_bytes : (i + 1) * self.chunk_bytes]
+            at += size
+            if self.zstd is not None:
+                try:
+                    self.zstd.decode(chunk, out=target)  # libzstd checks the frame's checksum
+                except (RuntimeError, ValueError) as exc:
+                    raise FormatError(f"{where}: " * bool(where) + f"corrupt data ({exc})") from exc
+            elif crc32c(chunk[:-4]) != int.from_bytes(chunk[-4:], "little"):
                 raise FormatError(f"{where}: " * bool(where) + "the chunk checksum does not match")
-            out[i * self.chunk_bytes : (i + 1) * self.chunk_bytes] = chunk[:-4]
+            else:
+                target[:] = np.frombuffer(chunk[:-4], np.uint8)
         return out.view(self.dtype.newbyteorder("<")).reshape(-1, *self.chunk_shape[2:])
 
 
-def index_entries(place: tuple[int, int], slots: int, stored: int) -> list[tuple[int, int]]:
-    """The index entries of one batch's values, which lie at `place` ([offset, nbytes]) in
-    chunks of `stored` bytes: each chunk's, then empty positions up to `slots`."""
-    offset, nbytes = place
-    present = [(offset + i * stored, stored) for i in range(nbytes // stored)]
-    return present + [(NO_CHUNK, NO_CHUNK)] * (slots - len(present))
+def index_entries(place: Chunk, encoder: ValuesEncoder) -> list[tuple[int, int]]:
+    """The index entries of one batch's values at `place`: each chunk's, then empty positions up
+    to the encoder's slots."""
+    entries, at = [], place[0]
+    for size in encoder.sizes(place):
+        entries.append((at, size))
+        at += size
+    return entries + [(NO_CHUNK, NO_CHUNK)] * (encoder.slots - len(entries))
 
 
 def columns_of(rows: np.ndarray, spec: FieldSpec) -> tuple[np.ndarray, np.ndarray]:
@@ -123,27 +156,30 @@ def rows_of(offsets: np.ndarray, values: np.ndarray, where: str = "") -> np.ndar
     return rows
 
 
-def batch_place(entries: np.ndarray, encoder: ValuesEncoder, where: str) -> tuple[int, int]:
+def batch_place(entries: np.ndarray, encoder: ValuesEncoder, where: str) -> Chunk:
     """Where one batch's values lie in its shard file, from its index entries: its chunks, the
-    first ones of its slots, one after another, each of the stored size (anything else is damage)."""
+    first ones of its slots, one after another (raw ones each of the stored size); anything else
+    is damage."""
     present = entries[:, 0] != NO_CHUNK
     count = int(present.sum())
     if not count:
         return 0, 0
-    offsets = entries[:count, 0].astype(np.int64)
-    expected = int(offsets[0]) + encoder.stored * np.arange(count)
-    if not present[:count].all() or (entries[:count, 1] != encoder.stored).any() or (offsets != expected).any():
+    offsets, sizes = entries[:count, 0].astype(np.int64), entries[:count, 1].astype(np.int64)
+    expected = int(offsets[0]) + np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    raw_sizes = encoder.zstd is None and bool((sizes != encoder.stored).any())
+    if not present[:count].all() or raw_sizes or (offsets != expected).any():
         raise FormatError(f"{where}: the values' chunks are not where the layout puts them")
-    return int(offsets[0]), count * encoder.stored
+    return encoder.place(int(offsets[0]), [int(n) for n in sizes])
 
 
-def batch_places(index: np.ndarray, encoder: ValuesEncoder, where: str) -> list[tuple[int, int]]:
-    """Each batch's place ([offset, nbytes]) from a values shard's index, as the collator
-    journals them: a batch without values at the end of the one before it, with no bytes."""
-    places, end = [], 0
+def batch_places(index: np.ndarray, encoder: ValuesEncoder, where: str) -> list[Chunk]:
+    """Each batch's place from a values shard's index, as the collator journals them: a batch
+    without values at the end of the one before it, with no bytes."""
+    places: list[Chunk] = []
+    end = 0
     for batch in range(len(index) // encoder.slots):
-        offset, nbytes = batch_place(index[batch * encoder.slots :][: encoder.slots], encoder, where)
-        if nbytes:
-            end = offset + nbytes
-        places.append((offset, nbytes) if nbytes else (end, 0))
+        place = batch_place(index[batch * encoder.slots :][: encoder.slots], encoder, where)
+        if place[1]:
+            end = place[0] + place[1]
+        places.append(place if place[1] else (end, 0))
     return places

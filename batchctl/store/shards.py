@@ -45,11 +45,12 @@ class OpenShard:
             self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
             os.ftruncate(self.fd, self.size)  # drops whatever was written after the last journaled batch
 
-    def reserve(self, nbytes: int) -> Chunk:
-        """The place of the next chunk, `nbytes` long (chunks are placed in batch order, and
-        written, perhaps several at once by different threads, with `write`)."""
-        chunk = (self.size, nbytes)
-        self.size += nbytes
+    def reserve(self, sizes: list[int]) -> Chunk:
+        """The place of the next batch's chunk, or (a ragged field's values) chunks, of these
+        stored `sizes` (placed in batch order, and written, perhaps several at once by different
+        threads, with `write`)."""
+        chunk = self.ragged.place(self.size, sizes) if self.ragged is not None else (self.size, sum(sizes))
+        self.size += chunk[1]
         self.chunks.append(chunk)
         return chunk
 
@@ -78,9 +79,8 @@ class OpenShard:
         """Write the index (local: then fsync and close; remote: the whole shard in one PUT)."""
         entries = self.chunks
         if self.ragged is not None:
-            slots, stored = self.ragged.slots, self.ragged.stored
-            entries = [entry for place in self.chunks for entry in ragged.index_entries(place, slots, stored)]
-            shard_batches *= slots
+            entries = [entry for place in self.chunks for entry in ragged.index_entries(place, self.ragged)]
+            shard_batches *= self.ragged.slots
         index = codec.shard_index_bytes(entries, shard_batches)
         self.index = b"".join(bytes(piece) for piece in index)
         if self.fd is None:
