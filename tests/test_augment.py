@@ -172,3 +172,19 @@ def test_preview_draws_the_stored_pictures(encoded: dict[str, Path], tmp_path: P
     with Image.open(out) as img:
         colours = {tuple(v) for v in np.asarray(img.convert("RGB")).reshape(-1, 3)[::53].tolist()}
     assert len(colours) > 50  # pictures, not the bytes of their files drawn as pixels
+
+
+def test_a_mixture_decodes_and_crops_and_resumes_the_same_crops(encoded: dict[str, Path]) -> None:
+    sources = {"jpeg": encoded["jpeg"], "png": encoded["png"]}
+    options = {"batch_size": 8, "seed": 2, "random_resized_crop": 40, "flip": True}
+    mixture = batchctl.mix(sources, {"jpeg": 3, "png": 1}, **options)
+    iterator = iter(mixture)
+    first = next(iterator)
+    assert first["image"].shape == (8, 40, 40, 3) and first["dataset"].tolist().count(1) == 2
+    state = mixture.state_dict()
+    expected = [batch["image"].copy() for batch in iterator]
+    resumed = batchctl.mix(sources, {"jpeg": 3, "png": 1}, **options)
+    resumed.load_state_dict(state)
+    assert all(np.array_equal(a, b["image"]) for a, b in zip(expected, resumed, strict=True))
+    with pytest.raises(batchctl.UsageError, match="share no encoded image field"):
+        batchctl.mix({"a": encoded["pixels"], "b": encoded["pixels"]}, {"a": 1, "b": 1}, batch_size=8, center_crop=32)

@@ -24,7 +24,7 @@ import hashlib
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from batchctl.errors import ResumeMismatchError, UsageError
+from batchctl.read.augment import Decoded, crop_of, image_fields
 from batchctl.read.loader import (
     Batch,
     BatchSource,
@@ -127,8 +128,9 @@ class MixedLoader:
     """A loader over several datasets (opened ones, subsets, or paths/URLs) at `weights`, for one
     rank, epoch after epoch, with a resume state (`batchctl.mix`): every batch holds `batch_size`
     apportioned to the weights (exact in every batch), a `dataset` field saying each row's source
-    (its index in `sources`), and the fields the sources share (or `fields`). See the module's
-    docstring for epochs, repeats and resume."""
+    (its index in `sources`), and the fields the sources share (or `fields`); ragged fields and
+    encoded images as `Dataset.loader` gives them (`ragged`, `random_resized_crop`, `center_crop`,
+    `flip`, `scale`, `ratio`). See the module's docstring for epochs, repeats and resume."""
 
     def __init__(
         self,
@@ -145,9 +147,15 @@ class MixedLoader:
         fields: Sequence[str] | None = None,
         partitions: int | None = None,
         ragged: str = "list",
+        random_resized_crop: int | None = None,
+        center_crop: int | None = None,
+        flip: bool = False,
+        scale: tuple[float, float] = (0.08, 1.0),
+        ratio: tuple[float, float] = (3 / 4, 4 / 3),
     ) -> None:
         self.names = list(sources)
         self.ragged = check_ragged_mode(ragged)
+        self.crop = crop_of(random_resized_crop, center_crop, flip, scale, ratio)
         if not self.names or set(weights) != set(self.names):
             raise UsageError(f"Expected a weight for each of {self.names}, got {dict(weights)!r} instead.")
         if any(not isinstance(w, (int, float)) or isinstance(w, bool) or not w > 0 for w in weights.values()):
@@ -173,8 +181,13 @@ class MixedLoader:
             name: ds if fields is None else FieldsOf(ds, fields) for name, ds in self.opened.items()
         }
         self.fields = _shared_fields(self.sources)
-        self.ragged_names = [n for n in object_fields(next(iter(self.sources.values())).fields) if n in self.fields]
-        self.ragged_names = [n for n in self.ragged_names if n != SOURCE]
+        # encoded images every source holds, decoded and cropped as they are read (`augment.Decoded`)
+        every = [set(image_fields(source.encodings)) for source in self.sources.values()]
+        self.images = sorted(set.intersection(*every)) if self.crop is not None else []
+        if self.crop is not None and not self.images:
+            raise UsageError("the sources share no encoded image field to crop (build them with --store jpeg or png)")
+        first = next(iter(self.sources.values())).fields
+        self.ragged_names = [n for n in object_fields(first) if n in self.fields and n not in (SOURCE, *self.images)]
         # one group of each source ahead: the reads of every source share the window (`_MixReads`)
         self.prefetch = default_prefetch(checked.mix, checked.shuffle, remote=True) if prefetch is None else prefetch
         self.weights = {name: float(weights[name]) for name in self.names}
@@ -304,7 +317,9 @@ class MixedLoader:
 
     def _read(self, wanted: list[int]) -> Iterator[Batch]:
         plans = [[self._streams[k].pieces(*span) for k, span in enumerate(self._spans(j))] for j in wanted]
-        reads = _MixReads([s.dataset for s in self._streams], self.fields, self.counts, plans, self.prefetch)
+        reads = _MixReads(
+            [s.dataset for s in self._streams], self.fields, self.counts, plans, self.prefetch, self._view
+        )
         try:
             for i in range(len(plans)):
                 yield ragged_output(reads.cut(i), self.ragged_names, self.ragged)
@@ -398,6 +413,13 @@ class MixedLoader:
         self.at_epoch(epoch)
         return self._read(list(steps))
 
+    def _view(self, source: BatchSource, cycle: int) -> BatchSource:
+        """A source as one pass of its stream (`cycle`) reads it: its images decoded and cropped
+        with that pass's draws (a row repeated in a later pass gets a crop of its own)."""
+        if self.crop is None:
+            return source
+        return Decoded(source, self.crop, self.images, self.options.seed, cycle)
+
     def recipe(self) -> dict[str, Any]:
         """What makes this mixture again in another process (`batchctl.torch.IterableBatches`)."""
         return {
@@ -415,8 +437,16 @@ class MixedLoader:
                 "fields": self.fields_asked,
                 "partitions": self.options.partitions if self.partitions_given else None,
                 "ragged": self.ragged,
+                **self._crop_options(),
             },
         }
+
+    def _crop_options(self) -> dict[str, Any]:
+        crop = self.crop
+        if crop is None:
+            return {}
+        size = {"random_resized_crop" if crop.random else "center_crop": crop.size}
+        return {**size, "flip": crop.flip, "scale": crop.scale, "ratio": crop.ratio} if crop.random else size
 
 
 class _MixReads:
@@ -432,9 +462,10 @@ class _MixReads:
         counts: list[int],
         plans: list[list[list[tuple[int, np.ndarray]]]],
         prefetch: int,
+        view: Callable[[BatchSource, int], BatchSource],
     ) -> None:
-        self.sources, self.fields, self.counts = sources, fields, counts
-        first = sources[0].fields
+        self.sources, self.fields, self.counts, self.view = sources, fields, counts, view
+        first = view(sources[0], 0).fields  # (decoded images' shapes where the mixture decodes)
         self.objects = [name for name in object_fields(first) if name in fields]  # `source`, ragged fields
         self.numeric = {name: first[name] for name in fields if name not in self.objects}
         self.targets: dict[tuple[int, int, int], list[tuple[int, np.ndarray, np.ndarray]]] = {}
@@ -471,7 +502,7 @@ class _MixReads:
 
     def _start(self, key: tuple[int, int, int]) -> None:
         """Read stored batch `key` once, into every batch of the pass taking rows of it."""
-        k, _, stored = key
+        k, cycle, stored = key
         size = self.sources[k].batch_size
         targets: list[Batch | None] = [None] * size
         place = [0] * size
@@ -481,12 +512,12 @@ class _MixReads:
             for p, r in zip(places.tolist(), local.tolist(), strict=True):
                 targets[r], place[r] = out, p
             fed.append(i)
-        read = self.pool.submit(self._read, k, stored, targets, place)
+        read = self.pool.submit(self._read, self.view(self.sources[k], cycle), stored, targets, place)
         for i in fed:
             self.reads.setdefault(i, []).append(read)
 
-    def _read(self, k: int, stored: int, targets: list[Batch | None], place: list[int]) -> None:
-        got = read_into(self.sources[k], self.numeric, stored, targets, place, self._scratch)
+    def _read(self, source: BatchSource, stored: int, targets: list[Batch | None], place: list[int]) -> None:
+        got = read_into(source, self.numeric, stored, targets, place, self._scratch)
         for name, rows in got.items():
             for r, (out, p) in enumerate(zip(targets, place, strict=True)):
                 if out is not None:
