@@ -92,12 +92,6 @@ class _Builder:
         resolved = resolve(options.preprocess)
         self.preprocessor = dataclasses.replace(resolved, include=tuple(options.include) or resolved.include)
         self.pp_options = self.preprocessor.options(options.preprocess_options)
-        ragged = self.preprocessor.ragged_fields(self.pp_options)
-        if ragged and options.engine == "dask":
-            raise UsageError(
-                f"--engine dask does not build ragged fields ({', '.join(ragged)} of "
-                f"{self.preprocessor.name!r}) yet: use --engine local"
-            )
         self.spec = dataset_spec(options, self.preprocessor, self.pp_options)
         self.paths = BuildPaths(output, options.storage_options)
         self.work = staging.workdir(self.paths)

@@ -122,13 +122,7 @@ class Collator:
     def _adopt_existing(self) -> None:
         """Resume: continue the arrays an interrupted run created, in its open shard, from the
         half-filled batch it left (read back from that shard, whose file is cut before it)."""
-        self.schema = {}
-        for name, arr in self.arrays.items():
-            field_name, part = metadata.ragged_part(name)
-            if part == metadata.VALUES_SUFFIX:
-                self.schema[field_name] = metadata.FieldSpec(tuple(arr.shape[2:]), arr.dtype, ragged=True)
-            elif not part and name not in metadata.RESERVED_FIELDS:
-                self.schema[name] = metadata.FieldSpec(tuple(arr.shape[1:]), arr.dtype)
+        self.schema = metadata.schema_of_arrays(self.arrays)
         shard_rows = self.arrays[metadata.SOURCE].grid[0]
         self._layout(metadata.Layout(self.config.batch_size, shard_rows // self.config.batch_size))
         resume = self.config.resume
@@ -415,7 +409,7 @@ class Collator:
         self.threads.shutdown()
         batches = metadata.num_batches(self.samples, self.config.batch_size)
         for name, arr in self.arrays.items():
-            self.arrays[name] = arr.resized(batches if ragged.is_values(arr) else self.samples)
+            self.arrays[name] = arr.resized(metadata.array_rows(name, self.samples, self.config.batch_size))
             self.files.write_array(self.arrays[name])
         schema = {name: spec.to_json() for name, spec in (self.schema or {}).items()}
         shard_batches = self.layout.shard_batches if self.layout else 0

@@ -29,7 +29,7 @@ from batchctl.run.rows import check_schema, columns_schema, preprocess_task, pro
 from batchctl.run.staging import BuildPaths
 from batchctl.run.tally import Tally
 from batchctl.run.writeplan import Carry
-from batchctl.store import chunkread, format as fmt, metadata, storage, zarrmeta
+from batchctl.store import chunkread, format as fmt, metadata, ragged, storage, zarrmeta
 from batchctl.store.journal import BatchLine, FileRun, GroupLine
 from batchctl.store.storage import SourceRoot
 
@@ -107,14 +107,27 @@ def _columns(outputs: list[Any], schema: Mapping[str, metadata.FieldSpec], label
     columns: dict[str, np.ndarray] = {}
     for name, spec in schema.items():
         parts = [output.columns[name] for output in outputs]
-        columns[name] = np.concatenate(parts) if parts else np.empty((0, *spec.shape), spec.dtype)
+        empty = np.empty(0, object) if spec.ragged else np.empty((0, *spec.shape), spec.dtype)
+        columns[name] = np.concatenate(parts) if parts else empty
     columns.update(provenance_columns([run for output in outputs for run in runs_of(output)], labelled))
     return columns
 
 
+# a spilled ragged field: its values end to end, and under this prefix its rows' lengths
+RAGGED_SPILL = "ragged-lengths:"
+
+
 def _store_spill(location: str, storage_options: Mapping[str, Any], columns: Mapping[str, np.ndarray]) -> None:
     buffer = io.BytesIO()
-    arrays = {name: col.astype(str) if col.dtype == object else col for name, col in columns.items()}
+    arrays = {}
+    for name, column in columns.items():
+        if name == metadata.SOURCE:
+            arrays[name] = column.astype(str)
+        elif column.dtype == object:  # a ragged field
+            arrays[RAGGED_SPILL + name] = np.fromiter((len(row) for row in column), np.int64, len(column))
+            arrays[name] = np.concatenate(list(column)) if len(column) else np.empty(0)
+        else:
+            arrays[name] = column
     np.savez(buffer, **arrays)  # type: ignore[arg-type]
     fs, where = storage.locate(location, storage_options)
     fs.pipe_file(where, buffer.getvalue())
@@ -124,7 +137,12 @@ def read_spill(location: str, storage_options: Mapping[str, Any]) -> dict[str, n
     fs, where = storage.locate(location, storage_options)
     raw = fs.cat_file(where)
     with np.load(io.BytesIO(raw)) as data:
-        return {name: data[name].astype(object) if data[name].dtype.kind == "U" else data[name] for name in data}
+        found = {name: data[name].astype(object) if data[name].dtype.kind == "U" else data[name] for name in data}
+    for key in [key for key in found if key.startswith(RAGGED_SPILL)]:
+        name, lengths = key[len(RAGGED_SPILL) :], found.pop(key)
+        stops = np.cumsum(lengths)
+        found[name] = ragged.rows_of(np.stack([stops - lengths, stops], axis=1), found[name])
+    return found
 
 
 @dataclass(frozen=True)
@@ -210,11 +228,7 @@ class DaskRun:
     def run(self, tasks: list[Task]) -> Finished:
         arrays = self.files.arrays()
         if arrays:  # resumed, or seeded from the last build: the arrays say what they hold
-            schema = {
-                name: metadata.FieldSpec(tuple(arr.shape[1:]), arr.dtype)
-                for name, arr in arrays.items()
-                if name not in metadata.RESERVED_FIELDS
-            }
+            schema = metadata.schema_of_arrays(arrays)
             rows: dict[str, np.ndarray] = {}
         else:
             schema, rows = self._probe_schema(tasks)
@@ -257,7 +271,8 @@ class DaskRun:
         first = max((line.group for line in self.job.kept_groups), default=-1) + 1
         groups = plan_groups(tasks, layout.shard_rows, _expected_rows)
         for name, arr in arrays.items():  # sized for every group's shard up front: tasks write no metadata
-            arrays[name] = arr.resized((self.job.base + first + len(groups)) * layout.shard_rows)
+            rows_up_front = (self.job.base + first + len(groups)) * layout.shard_rows
+            arrays[name] = arr.resized(metadata.array_rows(name, rows_up_front, layout.batch_size))
             self.files.write_array(arrays[name])
         if not self.paths.remote:
             os.makedirs(os.path.dirname(self.paths.spill_url(0)), exist_ok=True)
@@ -292,12 +307,14 @@ class DaskRun:
     def _write_carry(self, carry: Carry, schema: Mapping[str, metadata.FieldSpec]) -> GroupLine:
         """The rows carried over from the last build, as one spill (group -1), journaled."""
         old = zarr.open_group(carry.url, mode="r", **storage.zarr_options(carry.url, carry.storage_options))
-        reader = chunkread.RowReader(carry.url, {n: a for n, a in old.arrays() if n in schema})
+        stored = set(metadata.array_names(schema))
+        reader = chunkread.RowReader(carry.url, {n: a for n, a in old.arrays() if n in stored})
         pieces: dict[str, list[np.ndarray]] = {name: [] for name in schema}
         for run in carry.runs:
             start = run.shard * carry.shard_rows + run.start
-            for name in schema:
-                pieces[name].append(reader.rows(name, start, start + run.rows))
+            for name, spec in schema.items():
+                read = reader.ragged_rows if spec.ragged else reader.rows
+                pieces[name].append(read(name, start, start + run.rows))
         reader.close()
         columns = {name: np.concatenate(parts) for name, parts in pieces.items()}
         runs = [(run.item.relpath, run.index, run.item.label, run.rows) for run in carry.runs]
@@ -365,7 +382,7 @@ class DaskRun:
         for source, target in plan.moves:
             move_shard(self.paths, arrays, source, target)
         for name, arr in arrays.items():
-            arrays[name] = arr.resized(plan.total_rows)
+            arrays[name] = arr.resized(metadata.array_rows(name, plan.total_rows, layout.batch_size))
             self.files.write_array(arrays[name])
         # a longer previous build's shards past the end
         fmt.remove_shards_from(self.files, arrays, -(-plan.total_rows // layout.shard_rows))

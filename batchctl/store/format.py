@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from batchctl.errors import FormatError, IncompleteDatasetError
-from batchctl.store import metadata, storage
+from batchctl.store import metadata, ragged, storage
 from batchctl.store.codec import (
     ChunkEncoder,
     shard_index_bytes,
@@ -273,10 +273,42 @@ def write_shard_at(
     write, so several processes may each write their own shards at once (the Dask engine)."""
     start = shard_index * layout.shard_rows
     for name, arr in arrays.items():
+        field_name, part = metadata.ragged_part(name)
+        if part == metadata.VALUES_SUFFIX:
+            offsets = arrays[offsets_array(field_name)]
+            _write_ragged_shard(files, offsets, arr, layout, shard_index, columns[field_name])
+        if part:
+            continue  # (a ragged field's offsets are written with its values)
         data = stored_column(arr, name, columns[name])
         if start + len(data) > arr.shape[0]:
             raise FormatError(f"shard {shard_index}: {name} ends at row {arr.shape[0]}, before {start + len(data)}")
         _write_whole_shard(files, arr, layout, shard_index, data)
+
+
+def _write_ragged_shard(
+    files: DatasetFiles, offsets: ArrayMeta, values: ArrayMeta, layout: Layout, shard_index: int, rows: np.ndarray
+) -> None:
+    """One whole shard of a ragged field (an object array of its rows): its offsets' shard and its
+    values' shard, batch by batch, as the collator writes them."""
+    if shard_index * layout.shard_rows + len(rows) > offsets.shape[0]:
+        raise FormatError(f"shard {shard_index}: {offsets.name} ends at row {offsets.shape[0]}")
+    encoder = ragged.ValuesEncoder(values)
+    spec = FieldSpec(tuple(values.shape[2:]), values.dtype, ragged=True)
+    bounds: list[np.ndarray] = []
+    pieces: list[Any] = []
+    entries: list[tuple[int, int]] = []
+    at = 0
+    for first in range(0, len(rows), layout.batch_size):
+        batch_offsets, batch_values = ragged.columns_of(rows[first : first + layout.batch_size], spec)
+        bounds.append(batch_offsets)
+        chunks = encoder.encode(batch_values)
+        place = encoder.place(at, [sum(len(piece) for piece in chunk) for chunk in chunks])
+        entries += ragged.index_entries(place, encoder)
+        pieces += [piece for chunk in chunks for piece in chunk]
+        at += place[1]
+    index = shard_index_bytes(entries, layout.shard_batches * encoder.slots)
+    files.write(values.shard_key(shard_index), [*pieces, *index])
+    _write_whole_shard(files, offsets, layout, shard_index, np.concatenate(bounds) if bounds else np.empty((0, 2)))
 
 
 def remove_shards_from(files: DatasetFiles, arrays: Mapping[str, ArrayMeta], first: int) -> None:

@@ -337,6 +337,23 @@ RAGGED_MEANING = (
 )
 
 
+def schema_of_arrays(arrays: Mapping[str, ArrayMeta]) -> Schema:
+    """The preprocessor's fields, as a dataset's arrays hold them (a resumed build's, a seeded one's)."""
+    schema: Schema = {}
+    for name, arr in arrays.items():
+        field_name, part = ragged_part(name)
+        if part == VALUES_SUFFIX:
+            schema[field_name] = FieldSpec(tuple(arr.shape[2:]), arr.dtype, ragged=True)
+        elif not part and name not in RESERVED_FIELDS:
+            schema[name] = FieldSpec(tuple(arr.shape[1:]), arr.dtype)
+    return schema
+
+
+def array_rows(array_name: str, samples: int, batch_size: int) -> int:
+    """The rows of an array of a dataset of `samples` samples: one per sample, or per batch."""
+    return num_batches(samples, batch_size) if stores_batches(array_name) else samples
+
+
 def stores_batches(array_name: str) -> bool:
     """Whether the array has a row per batch (a ragged field's values), not one per sample."""
     return ragged_part(array_name)[1] == VALUES_SUFFIX
