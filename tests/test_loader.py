@@ -755,3 +755,40 @@ def test_iterable_batches_reads_a_split_with_dataloader_workers(numbered: Path) 
     held_out = {n for b in val.loader(batch_size=1, drop_last=False) for n in ids(b)}
     assert held_out and not held_out & {n for b in got for n in b}  # nothing of the other split
     assert len({n for b in got for n in b}) == sum(len(b) for b in got)  # each row once
+
+
+def _stream_batches(path: Path, workers: int, keep: bool) -> list[dict[str, Any]]:
+    """One epoch of `IterableBatches` (2 partitions: the same order for 0 and 2 workers), each
+    batch kept whole (`keep`) or reduced to its samples (`ids`: each row whole) as it comes."""
+    torch = pytest.importorskip("torch")
+    from torch.utils.data import DataLoader
+
+    from batchctl.torch import IterableBatches
+
+    stream = IterableBatches(path, batch_size=6, mix=4, seed=3, partitions=2)
+    out = []
+    for batch in DataLoader(stream, batch_size=None, num_workers=workers):
+        assert isinstance(batch["array"], torch.Tensor)
+        out.append(batch if keep else {"ids": ids(batch), "sum": int(batch["array"].sum())})
+    return out
+
+
+def test_dataloader_workers_hand_batches_over_in_shared_slots(numbered: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batches a worker makes in the ring's shared slots reach the loop exactly as the main
+    process would make them; a batch the loop keeps is never written over (with a ring of 3
+    slots and every batch kept, the rest come the ordinary way), and every slot is free again
+    once the batches are gone."""
+    import batchctl.torch_ring as torch_ring
+
+    expected = _stream_batches(numbered, 0, keep=False)
+    assert _stream_batches(numbered, 2, keep=False) == expected
+    monkeypatch.setattr(torch_ring, "SLOTS", 3)
+    kept = _stream_batches(numbered, 2, keep=True)
+    assert [{"ids": ids(b), "sum": int(b["array"].sum())} for b in kept] == expected
+    ring = list(torch_ring._RINGS.values())[-1]
+    in_ring = [ring.slot_of(batch["array"].numpy()) for batch in kept]
+    assert ring.slots == 3 and sorted(s for s in in_ring if s is not None) == [0, 1, 2]  # the rest: the usual way
+    assert all(ring.busy)  # the slots of the batches still held
+    del kept, in_ring
+    gc.collect()
+    assert not any(ring.busy)

@@ -32,6 +32,9 @@ STATE_FORMAT = "batchctl.loader/1"
 Batch = dict[str, np.ndarray]
 # what a loader hands out: a Batch, where a ragged field may be a list of its rows' arrays
 OutputBatch = dict[str, Any]
+# Where an output batch of `rows` rows is made: given each numeric field's (row shape, dtype),
+# its arrays, or None for fresh ones (`torchring`: in memory the DataLoader's main process maps).
+Allocate = Callable[[int, Mapping[str, tuple[tuple[int, ...], Any]]], "Batch | None"]
 
 
 class BatchSource(Protocol):
@@ -241,16 +244,24 @@ class Loader:
         if not steps:  # nothing was left of this epoch
             self.epoch, self.position = self.epoch + 1, 0
 
-    def read_steps(self, epoch: int, batches: Iterable[int]) -> Iterator[Batch]:
-        """Output batches `batches` of epoch `epoch`, in that order."""
-        return self.read(self.order(epoch), batches)
+    def read_steps(self, epoch: int, batches: Iterable[int], allocate: Allocate | None = None) -> Iterator[Batch]:
+        """Output batches `batches` of epoch `epoch`, in that order (made by `allocate`, where given)."""
+        return self.read(self.order(epoch), batches, allocate)
 
-    def read(self, order: EpochOrder, batches: Iterable[int]) -> Iterator[Batch]:
+    def output_fields(self) -> dict[str, tuple[tuple[int, ...], Any]]:
+        """The numeric fields of the batches handed out (decoded images' shapes where it crops)."""
+        source: BatchSource = self.dataset
+        if self.crop is not None:
+            source = Decoded(self.dataset, self.crop, self.images, self.options.seed, 0)
+        fields = source.fields
+        return {name: field for name, field in fields.items() if name not in object_fields(fields)}
+
+    def read(self, order: EpochOrder, batches: Iterable[int], allocate: Allocate | None = None) -> Iterator[Batch]:
         """Output batches `batches` of `order`, in that order, reading stored batches ahead in threads."""
         source: BatchSource = self.dataset
         if self.crop is not None:
             source = Decoded(self.dataset, self.crop, self.images, self.options.seed, order.epoch)
-        for batch in _read(source, order, batches, self.prefetch):
+        for batch in _read(source, order, batches, self.prefetch, allocate):
             yield ragged_output(batch, self.ragged_names, self.ragged)
 
     def state_dict(self) -> dict[str, Any]:
@@ -366,7 +377,9 @@ def _empty_epoch(dataset: BatchSource, options: OrderOptions, order: EpochOrder,
     )
 
 
-def _read(dataset: BatchSource, order: EpochOrder, batches: Iterable[int], prefetch: int) -> Iterator[Batch]:
+def _read(
+    dataset: BatchSource, order: EpochOrder, batches: Iterable[int], prefetch: int, allocate: Allocate | None = None
+) -> Iterator[Batch]:
     """Read and cut output batches. The groups output batches take rows from are held from the
     first batch that needs one to the last, and groups needed later are read ahead until
     `prefetch` stored batches are, in a thread pool (up to one thread per core): reading,
@@ -375,8 +388,8 @@ def _read(dataset: BatchSource, order: EpochOrder, batches: Iterable[int], prefe
     seen: set[int] = set()
     for i, batch in enumerate(wanted):
         if batch in seen:  # asked for again (a last round filled from the first batches): read again
-            yield from _read(dataset, order, wanted[:i], prefetch)
-            yield from _read(dataset, order, wanted[i:], prefetch)
+            yield from _read(dataset, order, wanted[:i], prefetch, allocate)
+            yield from _read(dataset, order, wanted[i:], prefetch, allocate)
             return
         seen.add(batch)
     if not wanted:
@@ -386,7 +399,7 @@ def _read(dataset: BatchSource, order: EpochOrder, batches: Iterable[int], prefe
     threads = max(1, prefetch if dataset.remote else min(prefetch, len(os.sched_getaffinity(0))))
     pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="batchctl-read")
     try:
-        reads = _GroupReads(dataset, order, pool, set(wanted))
+        reads = _GroupReads(dataset, order, pool, set(wanted), allocate)
         needs = [order.groups_of(batch) for batch in wanted]
         first_need: dict[int, int] = {}
         last_need: dict[int, int] = {}
@@ -435,8 +448,15 @@ class _GroupReads:
     then copied. Rows of output batches this rank (or worker) does not take are read into a
     thread's scratch buffer: the checksum covers the whole chunk."""
 
-    def __init__(self, dataset: BatchSource, order: EpochOrder, pool: ThreadPoolExecutor, wanted: set[int]) -> None:
-        self.dataset, self.order, self.pool, self.wanted = dataset, order, pool, wanted
+    def __init__(
+        self,
+        dataset: BatchSource,
+        order: EpochOrder,
+        pool: ThreadPoolExecutor,
+        wanted: set[int],
+        allocate: Allocate | None = None,
+    ) -> None:
+        self.dataset, self.order, self.pool, self.wanted, self.allocate = dataset, order, pool, wanted, allocate
         self.objects = object_fields(dataset.fields)
         self.numeric = {name: field for name, field in dataset.fields.items() if name not in self.objects}
         self.outputs: dict[int, Batch] = {}  # output batches being filled
@@ -471,9 +491,12 @@ class _GroupReads:
         for j in np.unique(batch[taken]).tolist():
             if j not in self.outputs:
                 length = order.length(j)
-                self.outputs[j] = {
-                    name: np.empty((length, *shape), dtype) for name, (shape, dtype) in self.numeric.items()
-                }
+                made = self.allocate(length, self.numeric) if self.allocate is not None else None
+                self.outputs[j] = (
+                    made
+                    if made is not None
+                    else {name: np.empty((length, *shape), dtype) for name, (shape, dtype) in self.numeric.items()}
+                )
         return target_batch, target_place
 
     def _scatter(self, stored: int, batch: np.ndarray, place: np.ndarray) -> Batch:

@@ -34,6 +34,7 @@ import numpy as np
 from batchctl.errors import ResumeMismatchError, UsageError
 from batchctl.read.augment import Decoded, crop_of, image_fields
 from batchctl.read.loader import (
+    Allocate,
     Batch,
     BatchSource,
     check_ragged_mode,
@@ -315,10 +316,10 @@ class MixedLoader:
         if not steps:
             self._next_epoch()
 
-    def _read(self, wanted: list[int]) -> Iterator[Batch]:
+    def _read(self, wanted: list[int], allocate: Allocate | None = None) -> Iterator[Batch]:
         plans = [[self._streams[k].pieces(*span) for k, span in enumerate(self._spans(j))] for j in wanted]
         reads = _MixReads(
-            [s.dataset for s in self._streams], self.fields, self.counts, plans, self.prefetch, self._view
+            [s.dataset for s in self._streams], self.fields, self.counts, plans, self.prefetch, self._view, allocate
         )
         try:
             for i in range(len(plans)):
@@ -408,10 +409,18 @@ class MixedLoader:
         elif epoch != self.epoch:
             self.set_epoch(epoch)
 
-    def read_steps(self, epoch: int, steps: Sequence[int]) -> Iterator[Batch]:
-        """Batches `steps` of mixture epoch `epoch` (moving this loader's streams there first)."""
+    def read_steps(self, epoch: int, steps: Sequence[int], allocate: Allocate | None = None) -> Iterator[Batch]:
+        """Batches `steps` of mixture epoch `epoch` (moving this loader's streams there first),
+        made by `allocate` where given."""
         self.at_epoch(epoch)
-        return self._read(list(steps))
+        return self._read(list(steps), allocate)
+
+    def output_fields(self) -> dict[str, tuple[tuple[int, ...], Any]]:
+        """The numeric fields of the batches handed out, read ones (decoded images' shapes where
+        it crops) then `dataset`."""
+        fields = self._view(next(iter(self.sources.values())), 0).fields
+        numeric = {name: fields[name] for name in self.fields if name not in object_fields(fields)}
+        return {**numeric, DATASET: ((), np.dtype(np.int16))}
 
     def _view(self, source: BatchSource, cycle: int) -> BatchSource:
         """A source as one pass of its stream (`cycle`) reads it: its images decoded and cropped
@@ -463,8 +472,10 @@ class _MixReads:
         plans: list[list[list[tuple[int, np.ndarray]]]],
         prefetch: int,
         view: Callable[[BatchSource, int], BatchSource],
+        allocate: Allocate | None = None,
     ) -> None:
         self.sources, self.fields, self.counts, self.view = sources, fields, counts, view
+        self.allocate = allocate
         first = view(sources[0], 0).fields  # (decoded images' shapes where the mixture decodes)
         self.objects = [name for name in object_fields(first) if name in fields]  # `source`, ragged fields
         self.numeric = {name: first[name] for name in fields if name not in self.objects}
@@ -494,7 +505,12 @@ class _MixReads:
     def _output(self, i: int) -> Batch:
         if i not in self.outputs:
             size = sum(self.counts)
-            out = {name: np.empty((size, *shape), dtype) for name, (shape, dtype) in self.numeric.items()}
+            made = self.allocate(size, self.numeric) if self.allocate is not None else None
+            out = (
+                made
+                if made is not None
+                else {name: np.empty((size, *shape), dtype) for name, (shape, dtype) in self.numeric.items()}
+            )
             for name in self.objects:
                 out[name] = np.empty(size, dtype=object)
             self.outputs[i] = out
