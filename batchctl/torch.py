@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.sharedctypes import Array, RawValue
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
@@ -28,7 +28,7 @@ from batchctl.read.mixture import MixedLoader
 from batchctl.read.reader import Dataset
 from batchctl.read.views import FieldsOf, Subset
 from batchctl.run.mpinternals import pickled_for_a_child
-from batchctl.torch_ring import BatchRing, slot_bytes
+from batchctl.torch_ring import BatchRing, SlotBatch, slot_bytes
 
 # torchdata 0.11's StatefulDataLoader calls a function torch 2.13 deprecates, on every iterator it
 # makes: a warning the user can do nothing about, in every run of a recipe (one message, no other)
@@ -290,30 +290,14 @@ class IterableBatches(IterableDataset[dict[str, Any]]):
     def _run(self, current: _Pass, steps: Sequence[int]) -> Iterator[Any]:
         loader = self._loader()
         ring = self._ring if get_worker_info() is not None else None  # (in the main process: no crossing)
-        taken: set[int] = set()  # slots holding batches this worker made and has not handed over
-
-        def allocate(rows: int, fields: Mapping[str, tuple[tuple[int, ...], Any]]) -> dict[str, np.ndarray] | None:
-            assert ring is not None
-            arrays = ring.allocate(rows, fields)
-            if arrays:
-                taken.add(cast(int, ring.slot_of(next(iter(arrays.values())))))
-            return arrays
-
-        try:
-            for step, batch in enumerate(loader.read_steps(current.epoch, steps, allocate if ring else None), 1):
-                current.yielded += 1  # counted before the caller has it: a state then saved skips it
-                if step == len(steps):
-                    self._next_epoch(current)
-                converted = to_torch(batch)
-                message = ring.message(batch, converted) if ring is not None else None
-                if message is not None:
-                    taken.discard(message.slot)  # the main process frees it once done with the batch
-                yield converted if message is None else message
-            if not steps:
+        allocate = ring.allocate if ring is not None else None
+        for step, batch in enumerate(loader.read_steps(current.epoch, steps, allocate), 1):
+            current.yielded += 1  # counted before the caller has it: a state then saved skips it
+            if step == len(steps):
                 self._next_epoch(current)
-        finally:  # a pass left part way: the batches made ahead and not handed over free their slots
-            for slot in taken:
-                cast(BatchRing, ring).release(slot)
+            yield to_torch(batch) if ring is None else SlotBatch(to_torch(batch))
+        if not steps:
+            self._next_epoch(current)
 
     def _next_epoch(self, current: _Pass) -> None:
         """This process's share of the epoch is handed out: its state is now the next epoch's start."""

@@ -25,7 +25,7 @@ import uuid
 import weakref
 from collections.abc import Mapping
 from multiprocessing.sharedctypes import Array
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -38,6 +38,7 @@ from batchctl.run.mpinternals import dup_fd_for_child, pickled_for_a_child
 SLOTS = 256
 ALIGN = 64
 _RINGS: dict[str, BatchRing] = {}  # the rings made in this process, for `SlotBatch` to find
+_WORKER_RINGS: dict[str, BatchRing] = {}  # the rings this process made batches in (a DataLoader worker's)
 
 
 class BatchRing:
@@ -52,6 +53,8 @@ class BatchRing:
         os.ftruncate(self._fd, self.slots * self.slot_bytes)
         self._map: mmap.mmap | None = None
         self._base = 0
+        self._sent: dict[int, list[bool]] = {}  # per slot this process made a batch in: sent to the main process
+        self.pid = os.getpid()  # the process the ring was made in, where batches are unpickled
         _RINGS[self.token] = self
 
     @classmethod
@@ -66,7 +69,7 @@ class BatchRing:
 
     def __getstate__(self) -> dict[str, Any]:
         fd = dup_fd_for_child(self._fd) if pickled_for_a_child() else None  # (a copy elsewhere cannot map it)
-        return {**self.__dict__, "_fd": fd, "_map": None, "_base": 0}
+        return {**self.__dict__, "_fd": fd, "_map": None, "_base": 0, "_sent": {}}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         fd = state["_fd"]
@@ -80,14 +83,19 @@ class BatchRing:
 
     def allocate(self, rows: int, fields: Mapping[str, tuple[tuple[int, ...], Any]]) -> dict[str, np.ndarray] | None:
         """An output batch's numeric arrays in a free slot (taken), or None: none is free, or the
-        batch does not fit one."""
+        batch does not fit one. The slot is freed when the main process lets go of the batch, or
+        when this process does without having sent it (a loop that made a new batch of it)."""
         layout = _layout(rows, fields)
         if not layout or _end(layout) > self.slot_bytes or self._fd < 0:
             return None
         slot = self._take()
         if slot is None:
             return None
-        return _views(self._buffer(), slot * self.slot_bytes, layout)
+        _WORKER_RINGS[self.token] = self
+        owner = np.frombuffer(self._buffer(), np.uint8, count=self.slot_bytes, offset=slot * self.slot_bytes)
+        sent = self._sent[slot] = [False]
+        weakref.finalize(owner, self._dropped, slot, sent, os.getpid())
+        return {name: _field(owner, kind.str, shape, at) for name, (kind, shape, at) in layout.items()}
 
     def _take(self) -> int | None:
         with self.busy.get_lock():
@@ -101,31 +109,34 @@ class BatchRing:
         with self.busy.get_lock():
             self.busy[slot] = 0
 
-    def slot_of(self, array: np.ndarray) -> int | None:
-        """The slot `array` lies in, or None (an array made elsewhere)."""
+    def _dropped(self, slot: int, sent: list[bool], pid: int) -> None:
+        """This process let go of a batch it made in `slot`: free the slot unless it was sent
+        (or this is a forked copy of that process, which let go of nothing)."""
+        if not sent[0] and os.getpid() == pid:
+            self.release(slot)
+
+    def _received_dropped(self, slot: int) -> None:
+        """The main process let go of a batch it received in `slot` (not a forked copy of it)."""
+        if os.getpid() == self.pid:
+            self.release(slot)
+
+    def place(self, value: Any) -> tuple[int, int] | None:
+        """(slot, offset in it) of a contiguous tensor or array lying in this process's mapping."""
         if self._map is None:
             return None
-        at = array.__array_interface__["data"][0] - self._base
-        return at // self.slot_bytes if 0 <= at < self.slots * self.slot_bytes else None
-
-    def message(self, batch: Mapping[str, Any], converted: Mapping[str, Any]) -> SlotBatch | None:
-        """What a worker sends for `batch`, whose numeric arrays lie in one slot: the slot and where
-        each lies in it, the other fields (`converted`: as torch tensors or lists) sent as they are."""
-        placed: dict[str, tuple[str, tuple[int, ...], int]] = {}
-        slot = None
-        for name, values in batch.items():
-            found = self.slot_of(values) if isinstance(values, np.ndarray) and values.dtype != object else None
-            if found is None:
-                continue
-            if slot is not None and found != slot:
-                return None
-            slot = found
-            at = values.__array_interface__["data"][0] - self._base - found * self.slot_bytes
-            placed[name] = (values.dtype.str, tuple(values.shape), at)
-        if slot is None:
+        array = _array(value)
+        if array is None:
             return None
-        others = {name: value for name, value in converted.items() if name not in placed}
-        return SlotBatch(self.token, slot, list(batch), placed, others)
+        at = array.__array_interface__["data"][0] - self._base
+        slot, within = divmod(at, self.slot_bytes)
+        if not 0 <= slot < self.slots or within + array.nbytes > self.slot_bytes:
+            return None
+        return slot, within
+
+    def slot_of(self, value: Any) -> int | None:
+        """The slot `value` lies in, or None (made elsewhere)."""
+        found = self.place(value)
+        return None if found is None else found[0]
 
     def close(self) -> None:
         with contextlib.suppress(BufferError):
@@ -137,22 +148,33 @@ class BatchRing:
             self._fd = -1
 
 
-class SlotBatch:
-    """A batch as a worker sends it: its slot, its numeric fields' places there, its other fields.
-    Unpickled where the ring was made, it is the batch, as tensors over that process's mapping."""
+class SlotBatch(dict[str, Any]):
+    """A batch as a DataLoader worker yields it: a dict, to code in the worker as any batch (it
+    may read, change or replace its fields). Pickled for the main process, the tensors that still
+    lie in one slot of the worker's ring are sent as that slot and their places in it, the rest as
+    torch sends them; unpickled where the ring was made, it is a dict of tensors over that
+    process's mapping of the slot, which is freed when the last of them is gone."""
 
-    def __init__(
-        self,
-        token: str,
-        slot: int,
-        names: list[str],
-        placed: dict[str, tuple[str, tuple[int, ...], int]],
-        others: dict[str, Any],
-    ) -> None:
-        self.token, self.slot, self.names, self.placed, self.others = token, slot, names, placed, others
+    def __copy__(self) -> SlotBatch:  # (torch's default_convert copies a batch: a copy is not a sending)
+        return SlotBatch(self)
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return _rebuild, (self.token, self.slot, self.names, self.placed, self.others)
+        placed: dict[str, tuple[str, tuple[int, ...], int]] = {}
+        others: dict[str, Any] = {}
+        ring, slot = None, None
+        for name, value in self.items():
+            for candidate in _WORKER_RINGS.values():
+                found = candidate.place(value)
+                if found is not None and (slot is None or (candidate is ring and found[0] == slot)):
+                    ring, slot = candidate, found[0]
+                    placed[name] = (cast(np.ndarray, _array(value)).dtype.str, tuple(value.shape), found[1])
+                    break
+            else:
+                others[name] = value
+        if ring is None or slot is None:
+            return dict, (dict(self),)
+        ring._sent[slot][0] = True  # the main process frees it now
+        return _rebuild, (ring.token, slot, list(self), placed, others)
 
 
 def _rebuild(
@@ -161,16 +183,32 @@ def _rebuild(
     import torch
 
     ring = _RINGS.get(token)
-    if ring is None:
+    if ring is None or ring.pid != os.getpid():
         raise RuntimeError("a batchctl batch left the process of its IterableBatches (its ring is not here)")
     start = slot * ring.slot_bytes
     owner = np.frombuffer(ring._buffer(), np.uint8, count=ring.slot_bytes, offset=start)  # the slot, while in use
-    weakref.finalize(owner, ring.release, slot)
-    tensors = {
-        name: torch.from_numpy(owner[at : at + _nbytes(dtype, shape)].view(dtype).reshape(shape))
-        for name, (dtype, shape, at) in placed.items()
-    }
+    weakref.finalize(owner, ring._received_dropped, slot)
+    tensors = {name: torch.from_numpy(_field(owner, dtype, shape, at)) for name, (dtype, shape, at) in placed.items()}
     return {name: tensors[name] if name in tensors else others[name] for name in names}
+
+
+def _array(value: Any) -> np.ndarray | None:
+    """A contiguous CPU tensor's or array's memory as an array (no copy), else None."""
+    if hasattr(value, "untyped_storage"):  # a torch tensor
+        if value.device.type != "cpu" or not value.is_contiguous() or value.requires_grad:
+            return None
+        try:
+            value = value.numpy()
+        except (TypeError, RuntimeError):  # a dtype NumPy lacks (bfloat16): not ours
+            return None
+    if isinstance(value, np.ndarray) and value.dtype != object and value.flags.c_contiguous:
+        return value
+    return None
+
+
+def _field(owner: np.ndarray, dtype: str, shape: tuple[int, ...], at: int) -> np.ndarray:
+    """A field's array in a slot: a view of the slot's `owner` (which its finalizer watches)."""
+    return owner[at : at + _nbytes(dtype, shape)].view(dtype).reshape(shape)
 
 
 Layout = dict[str, tuple[np.dtype[Any], tuple[int, ...], int]]  # field -> (dtype, shape, offset in the slot)
@@ -188,10 +226,6 @@ def _layout(rows: int, fields: Mapping[str, tuple[tuple[int, ...], Any]]) -> Lay
 
 def _end(layout: Layout) -> int:
     return max(at + _nbytes(kind.str, shape) for kind, shape, at in layout.values())
-
-
-def _views(buffer: mmap.mmap, start: int, layout: Layout) -> dict[str, np.ndarray]:
-    return {name: np.ndarray(shape, kind, buffer, start + at) for name, (kind, shape, at) in layout.items()}
 
 
 def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:

@@ -792,3 +792,50 @@ def test_dataloader_workers_hand_batches_over_in_shared_slots(numbered: Path, mo
     del kept, in_ring
     gc.collect()
     assert not any(ring.busy)
+
+
+def test_a_stream_that_remakes_batches_in_its_workers_frees_their_slots(numbered: Path) -> None:
+    """Code in the DataLoader worker may take a batch apart and send a new one (an augmentation):
+    the rows are right, and the slots of the batches it dropped are free again."""
+    torch = pytest.importorskip("torch")
+    from torch.utils.data import DataLoader
+
+    import batchctl.torch_ring as torch_ring
+    from batchctl.torch import IterableBatches
+
+    class Doubled(IterableBatches):
+        def __iter__(self) -> Any:
+            for batch in super().__iter__():
+                yield {"array": batch["array"] * 2, "source": batch["source"], "label": batch["label"]}
+
+    plain = [
+        ids(b)
+        for b in DataLoader(IterableBatches(numbered, batch_size=6, mix=4, seed=3, partitions=2), batch_size=None)
+    ]
+    stream = Doubled(numbered, batch_size=6, mix=4, seed=3, partitions=2)
+    ring = stream._ring
+    got = []
+    for batch in DataLoader(stream, batch_size=None, num_workers=2):
+        assert isinstance(batch["array"], torch.Tensor)
+        got.append(ids({**batch, "array": batch["array"] // 2}))
+    assert got == plain
+    assert ring is not None and ring.token in torch_ring._RINGS and not any(ring.busy)
+
+
+def test_a_batch_held_across_epochs_of_fresh_workers_is_never_written_over(numbered: Path) -> None:
+    """Workers made anew each epoch are forks of the main process while it holds a batch in a
+    slot: nothing of theirs frees that slot, and the batch keeps its rows."""
+    torch = pytest.importorskip("torch")
+    from torch.utils.data import DataLoader
+
+    from batchctl.torch import IterableBatches
+
+    stream = IterableBatches(numbered, batch_size=6, mix=4, seed=3, partitions=2)
+    loader = DataLoader(stream, batch_size=None, num_workers=2)  # not persistent: new workers each epoch
+    held = [batch for batch in loader][-3:]
+    snapshots = [batch["array"].clone() for batch in held]
+    for _ in range(2):
+        for batch in loader:
+            ids(batch)
+    assert all(torch.equal(batch["array"], snapshot) for batch, snapshot in zip(held, snapshots, strict=True))
+    assert [ids(batch) for batch in held]
