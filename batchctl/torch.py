@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.sharedctypes import Array, RawValue
 from typing import Any
@@ -120,6 +120,8 @@ class IterableBatches(IterableDataset[dict[str, Any]]):
     A ragged field comes as a nested tensor (`ragged="list"`: `torch.jagged` layout) or padded
     with `NAME_lengths` beside it (`ragged="pad"`); an encoded image field is decoded and cropped
     in the DataLoader's workers (`random_resized_crop`, `center_crop`, `flip`: `Dataset.loader`).
+    `transform(batch) -> batch` runs on each batch where it is made (in the DataLoader's
+    workers): a CPU augmentation, whose new tensors cross in a shared slot too.
     """
 
     def __init__(
@@ -144,8 +146,10 @@ class IterableBatches(IterableDataset[dict[str, Any]]):
         flip: bool = False,
         scale: tuple[float, float] = (0.08, 1.0),
         ratio: tuple[float, float] = (3 / 4, 4 / 3),
+        transform: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     ) -> None:
         self._rows: tuple[str, np.ndarray] | None = None  # a subset's: (its dataset's version, its rows)
+        self.transform = transform  # each batch's, where it is made (an augmentation): picklable
         # a mixture's sources and options (`MixedLoader.recipe`), made again in each process
         self._recipe: dict[str, Any] | None = None
         self._cache: tuple[str | os.PathLike[str] | None, int | str | None] = (cache_dir, cache_limit)
@@ -295,7 +299,10 @@ class IterableBatches(IterableDataset[dict[str, Any]]):
             current.yielded += 1  # counted before the caller has it: a state then saved skips it
             if step == len(steps):
                 self._next_epoch(current)
-            yield to_torch(batch) if ring is None else SlotBatch(to_torch(batch))
+            made = to_torch(batch)
+            if self.transform is not None:
+                made = self.transform(made)
+            yield made if ring is None else SlotBatch(made)
         if not steps:
             self._next_epoch(current)
 

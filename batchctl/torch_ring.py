@@ -86,6 +86,14 @@ class BatchRing:
         batch does not fit one. The slot is freed when the main process lets go of the batch, or
         when this process does without having sent it (a loop that made a new batch of it)."""
         layout = _layout(rows, fields)
+        claimed = self._claim(layout)
+        if claimed is None:
+            return None
+        _, owner = claimed
+        return {name: _field(owner, kind.str, shape, at) for name, (kind, shape, at) in layout.items()}
+
+    def _claim(self, layout: Layout) -> tuple[int, np.ndarray] | None:
+        """A free slot for arrays laid out so (taken: freed as `allocate` says), and its memory."""
         if not layout or _end(layout) > self.slot_bytes or self._fd < 0:
             return None
         slot = self._take()
@@ -95,7 +103,7 @@ class BatchRing:
         owner = np.frombuffer(self._buffer(), np.uint8, count=self.slot_bytes, offset=slot * self.slot_bytes)
         sent = self._sent[slot] = [False]
         weakref.finalize(owner, self._dropped, slot, sent, os.getpid())
-        return {name: _field(owner, kind.str, shape, at) for name, (kind, shape, at) in layout.items()}
+        return slot, owner
 
     def _take(self) -> int | None:
         with self.busy.get_lock():
@@ -133,6 +141,23 @@ class BatchRing:
             return None
         return slot, within
 
+    def pack(
+        self, batch: Mapping[str, Any]
+    ) -> tuple[BatchRing, int, dict[str, tuple[str, tuple[int, ...], int]]] | None:
+        """Copy the contiguous numeric fields of `batch` into a free slot, to be sent now: the slot
+        and their places, or None (none free, or they do not fit)."""
+        arrays = {name: array for name, value in batch.items() if (array := _array(value)) is not None}
+        layout = _layout(1, {name: (array.shape, array.dtype) for name, array in arrays.items()})  # (1, *shape)
+        claimed = self._claim(layout)
+        if claimed is None:
+            return None
+        slot, owner = claimed
+        placed = {name: (array.dtype.str, tuple(array.shape), layout[name][2]) for name, array in arrays.items()}
+        for name, (dtype, shape, at) in placed.items():
+            _field(owner, dtype, shape, at)[...] = arrays[name]
+        self._sent[slot][0] = True  # (before `owner` goes: nothing here holds the copy, the main process frees it)
+        return self, slot, placed
+
     def slot_of(self, value: Any) -> int | None:
         """The slot `value` lies in, or None (made elsewhere)."""
         found = self.place(value)
@@ -148,11 +173,16 @@ class BatchRing:
             self._fd = -1
 
 
+PACK_BYTES = 2**16  # a batch holding a new array this big is copied whole into a free slot to be sent
+
+
 class SlotBatch(dict[str, Any]):
     """A batch as a DataLoader worker yields it: a dict, to code in the worker as any batch (it
     may read, change or replace its fields). Pickled for the main process, the tensors that still
     lie in one slot of the worker's ring are sent as that slot and their places in it, the rest as
-    torch sends them; unpickled where the ring was made, it is a dict of tensors over that
+    torch sends them; where a field was replaced by a big new array (a `transform`), the numeric
+    fields are copied into a free slot first (one copy into warm pages, against torch's copy
+    into a new segment). Unpickled where the ring was made, it is a dict of tensors over that
     process's mapping of the slot, which is freed when the last of them is gone."""
 
     def __copy__(self) -> SlotBatch:  # (torch's default_convert copies a batch: a copy is not a sending)
@@ -171,6 +201,14 @@ class SlotBatch(dict[str, Any]):
                     break
             else:
                 others[name] = value
+        new = [
+            value for value in others.values() if (array := _array(value)) is not None and array.nbytes >= PACK_BYTES
+        ]
+        if new and _WORKER_RINGS:
+            packed = next(iter(_WORKER_RINGS.values())).pack(self)
+            if packed is not None:
+                ring, slot, placed = packed
+                others = {name: value for name, value in self.items() if name not in placed}
         if ring is None or slot is None:
             return dict, (dict(self),)
         ring._sent[slot][0] = True  # the main process frees it now

@@ -45,30 +45,29 @@ def run_batchctl(path: str, workers: int, batch: int) -> float:
 
 
 def run_batchctl_augment(path: str, workers: int, batch: int) -> float:
-    """As `run_batchctl`, each batch given a CPU augmentation in the workers: a random 192x192
-    crop and a random horizontal flip per image, in NumPy."""
+    """As `run_batchctl`, each batch given a CPU augmentation in the workers (`transform=`): a
+    random 192x192 crop and a random horizontal flip per image, in NumPy."""
     from torch.utils.data import DataLoader
 
     from batchctl.torch import IterableBatches
 
-    class Augmented(IterableBatches):
-        def __iter__(self) -> Iterator[dict[str, Any]]:
-            import numpy as np
-            import torch
-
-            rng = np.random.default_rng()
-            for got in super().__iter__():
-                images = got["image"].numpy()
-                out = np.empty((len(images), 192, 192, images.shape[3]), images.dtype)
-                for k, image in enumerate(images):
-                    top, left = rng.integers(0, image.shape[0] - 191), rng.integers(0, image.shape[1] - 191)
-                    crop = image[top : top + 192, left : left + 192]
-                    out[k] = crop[:, ::-1] if rng.random() < 0.5 else crop
-                yield {**got, "image": torch.from_numpy(out)}
-
-    stream = Augmented(path, batch_size=batch, shuffle=True, mix=16)
+    stream = IterableBatches(path, batch_size=batch, shuffle=True, mix=16, transform=_crop_and_flip)
     kept = workers > 0
     return timed_epochs(DataLoader(stream, batch_size=None, num_workers=workers, persistent_workers=kept))
+
+
+def _crop_and_flip(got: dict[str, Any]) -> dict[str, Any]:
+    import numpy as np
+    import torch
+
+    rng = np.random.default_rng()
+    images = got["image"].numpy()
+    out = np.empty((len(images), 192, 192, images.shape[3]), images.dtype)
+    for k, image in enumerate(images):
+        top, left = rng.integers(0, image.shape[0] - 191), rng.integers(0, image.shape[1] - 191)
+        crop = image[top : top + 192, left : left + 192]
+        out[k] = crop[:, ::-1] if rng.random() < 0.5 else crop
+    return {**got, "image": torch.from_numpy(out)}
 
 
 def litdata_optimize(path: str, out: str, workers: int) -> None:

@@ -15,7 +15,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -794,32 +794,44 @@ def test_dataloader_workers_hand_batches_over_in_shared_slots(numbered: Path, mo
     assert not any(ring.busy)
 
 
-def test_a_stream_that_remakes_batches_in_its_workers_frees_their_slots(numbered: Path) -> None:
-    """Code in the DataLoader worker may take a batch apart and send a new one (an augmentation):
-    the rows are right, and the slots of the batches it dropped are free again."""
+def _doubled(batch: dict[str, Any]) -> dict[str, Any]:
+    """A transform: each row's values doubled, in a new array (an augmentation's new tensor)."""
+    return {**batch, "array": batch["array"] * 2}
+
+
+def test_a_stream_that_remakes_batches_in_its_workers_frees_their_slots(
+    numbered: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Code in the DataLoader worker may take a batch apart and send a new one (a subclass, or
+    `transform=`, whose new tensors are copied into a slot to cross): the rows are right, and
+    every slot is free again once the batches are gone."""
     torch = pytest.importorskip("torch")
     from torch.utils.data import DataLoader
 
-    import batchctl.torch_ring as torch_ring
     from batchctl.torch import IterableBatches
 
     class Doubled(IterableBatches):
         def __iter__(self) -> Any:
             for batch in super().__iter__():
-                yield {"array": batch["array"] * 2, "source": batch["source"], "label": batch["label"]}
+                yield _doubled(batch)
 
-    plain = [
-        ids(b)
-        for b in DataLoader(IterableBatches(numbered, batch_size=6, mix=4, seed=3, partitions=2), batch_size=None)
-    ]
-    stream = Doubled(numbered, batch_size=6, mix=4, seed=3, partitions=2)
-    ring = stream._ring
-    got = []
-    for batch in DataLoader(stream, batch_size=None, num_workers=2):
-        assert isinstance(batch["array"], torch.Tensor)
-        got.append(ids({**batch, "array": batch["array"] // 2}))
-    assert got == plain
-    assert ring is not None and ring.token in torch_ring._RINGS and not any(ring.busy)
+    import batchctl.torch_ring as torch_ring
+
+    monkeypatch.setattr(torch_ring, "PACK_BYTES", 1)  # (these rows are tiny: a photo batch's new tensor is MBs)
+    options: dict[str, Any] = {"batch_size": 6, "mix": 4, "seed": 3, "partitions": 2}
+    plain = [ids(b) for b in DataLoader(IterableBatches(numbered, **options), batch_size=None)]
+    subclass, transformed = Doubled(numbered, **options), IterableBatches(numbered, **options, transform=_doubled)
+    for stream in (subclass, transformed):
+        got, in_ring = [], 0
+        for batch in DataLoader(stream, batch_size=None, num_workers=2):
+            assert isinstance(batch["array"], torch.Tensor)
+            got.append(ids({**batch, "array": batch["array"] // 2}))
+            in_ring += cast(Any, stream._ring).slot_of(batch["array"]) is not None
+        assert in_ring == (0 if stream is subclass else len(got))  # a transform's new tensors cross in slots
+        del batch  # (the last one: its slot is busy while it is held)
+        gc.collect()
+        assert got == plain
+        assert stream._ring is not None and not any(stream._ring.busy)
 
 
 def test_a_batch_held_across_epochs_of_fresh_workers_is_never_written_over(numbered: Path) -> None:
