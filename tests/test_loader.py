@@ -851,3 +851,22 @@ def test_a_batch_held_across_epochs_of_fresh_workers_is_never_written_over(numbe
             ids(batch)
     assert all(torch.equal(batch["array"], snapshot) for batch, snapshot in zip(held, snapshots, strict=True))
     assert [ids(batch) for batch in held]
+
+
+def test_a_kept_batch_keeps_its_memory_and_let_go_ones_are_used_again(numbered: Path) -> None:
+    """Output batches are made in memory used before (`loader.POOL`), but only memory no batch
+    the loop holds is in: an epoch kept whole reads the same after two more epochs."""
+    from batchctl.read import loader as loader_module
+
+    ds = batchctl.open(numbered)
+    loader = ds.loader(batch_size=6, mix=4, seed=1)
+    held = list(loader)
+    snapshots = [batch["array"].copy() for batch in held]
+    for _ in range(2):
+        for batch in loader:
+            ids(batch)
+    del batch
+    gc.collect()
+    assert loader_module.POOL._kept > 0  # the later epochs' memory waits to be used again
+    assert all(np.array_equal(batch["array"], snapshot) for batch, snapshot in zip(held, snapshots, strict=True))
+    assert [ids(batch) for batch in held]

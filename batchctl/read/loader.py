@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import os
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -62,6 +63,51 @@ class BatchSource(Protocol):
     def read_batch(
         self, index: int, into: Mapping[str, list[np.ndarray]] | None = None, fields: list[str] | None = None
     ) -> Batch: ...
+
+
+class BufferPool:
+    """The memory of output batches, used again once the loop lets go of a batch (one pool per
+    process: a new loader each epoch reuses it too). A batch made in fresh memory pays a page
+    fault per 4 KiB as its rows are scattered in: a stored batch of 64 photos took 4.6-5.0 ms so
+    against 2.0-2.3 ms into memory used before. A batch the loop keeps keeps its memory (the pool
+    takes it back only when every array of the batch is gone: `weakref.finalize` on the arrays'
+    common base), so nothing is ever written over. At most `keep` bytes wait for reuse."""
+
+    def __init__(self, keep: int) -> None:
+        self.keep = keep
+        self._free: dict[int, list[np.ndarray]] = {}
+        self._kept = 0  # bytes waiting
+        self._lock = threading.Lock()
+
+    def allocate(self, rows: int, fields: Mapping[str, tuple[tuple[int, ...], Any]]) -> Batch:
+        places, at = {}, 0
+        for name, (shape, dtype) in fields.items():
+            kind = np.dtype(dtype)
+            places[name] = (kind, (rows, *shape), at)
+            at += -(-rows * int(np.prod(shape, dtype=np.int64)) * kind.itemsize // 64) * 64
+        with self._lock:
+            free = self._free.get(at)
+            backing = free.pop() if free else None
+            self._kept -= at if backing is not None else 0
+        if backing is None:
+            backing = np.empty(at, np.uint8)
+        # the arrays' common base, which the pool watches (through a memoryview: views of a view
+        # of an array would name that array as their base, and this one could go before them)
+        owner = np.frombuffer(backing.data, np.uint8)
+        weakref.finalize(owner, self._give_back, backing)
+        return {
+            name: owner[at : at + int(np.prod(shape, dtype=np.int64)) * kind.itemsize].view(kind).reshape(shape)
+            for name, (kind, shape, at) in places.items()
+        }
+
+    def _give_back(self, backing: np.ndarray) -> None:
+        with self._lock:
+            if self._kept + backing.nbytes <= self.keep:
+                self._free.setdefault(backing.nbytes, []).append(backing)
+                self._kept += backing.nbytes
+
+
+POOL = BufferPool(min(2**30, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 8))
 
 
 RAGGED_MODES = ("list", "pad")
@@ -492,11 +538,7 @@ class _GroupReads:
             if j not in self.outputs:
                 length = order.length(j)
                 made = self.allocate(length, self.numeric) if self.allocate is not None else None
-                self.outputs[j] = (
-                    made
-                    if made is not None
-                    else {name: np.empty((length, *shape), dtype) for name, (shape, dtype) in self.numeric.items()}
-                )
+                self.outputs[j] = made if made is not None else POOL.allocate(length, self.numeric)
         return target_batch, target_place
 
     def _scatter(self, stored: int, batch: np.ndarray, place: np.ndarray) -> Batch:

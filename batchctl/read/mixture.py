@@ -34,6 +34,7 @@ import numpy as np
 from batchctl.errors import ResumeMismatchError, UsageError
 from batchctl.read.augment import Decoded, crop_of, image_fields
 from batchctl.read.loader import (
+    POOL,
     Allocate,
     Batch,
     BatchSource,
@@ -506,11 +507,7 @@ class _MixReads:
         if i not in self.outputs:
             size = sum(self.counts)
             made = self.allocate(size, self.numeric) if self.allocate is not None else None
-            out = (
-                made
-                if made is not None
-                else {name: np.empty((size, *shape), dtype) for name, (shape, dtype) in self.numeric.items()}
-            )
+            out = made if made is not None else POOL.allocate(size, self.numeric)
             for name in self.objects:
                 out[name] = np.empty(size, dtype=object)
             self.outputs[i] = out
