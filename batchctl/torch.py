@@ -225,6 +225,7 @@ class IterableBatches(IterableDataset[dict[str, Any]]):
             state["_epoch"] = RawValue("q", self.epoch)
             state["_workers_said"] = RawValue("q", self._workers_said.value)
             state["_advanced"] = Array("q", [-1, -1, -1])
+            state["_ring"] = None  # (its slots are this process's workers'; a copy's batches go the usual way)
         return state
 
     @property
