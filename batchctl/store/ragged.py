@@ -1,7 +1,7 @@
 """A ragged field's rows as the format stores them (docs/format.md): per batch, offsets ([start,
-stop) of each row) and the rows' values end to end in the batch's row of `F.values`, in chunks of
-one stored size; encoded, indexed and read back here, so the collator, the readers and an
-incremental build's carry agree on it."""
+stop) of each row) and the rows' values end to end in the batch's row of `F.values`, in chunks
+(raw with a crc32c, or zstd frames); encoded, indexed and read back here, so the collator, the
+Dask engine, the readers and an incremental build's carry agree on it."""
 
 from __future__ import annotations
 
