@@ -200,7 +200,7 @@ def test_a_lost_worker_costs_only_its_group(image_folder: Path, tmp_path: Path, 
 def test_ragged_fields_on_the_cluster_are_the_local_build(tmp_path: Path, cluster: tuple[str, list[int]]) -> None:
     """A ragged build on the cluster (whole shards written by the workers, short groups spilled
     and compacted, then an incremental round carrying rows) reads as, and digests as, the local one."""
-    from .test_ragged import PLUGIN, assert_rows_exact, write_docs
+    from .test_ragged import PLUGIN, assert_dataset_is_the_folder, write_docs
 
     address, _ = cluster
     folder = tmp_path / "docs"
@@ -231,11 +231,4 @@ def test_ragged_fields_on_the_cluster_are_the_local_build(tmp_path: Path, cluste
         "build", folder, "-o", dask, *args, "--compression", "none", "--engine", "dask", "--scheduler", address
     )
     assert result.returncode == 0 and "added" in result.stderr, result.stderr
-    ds = batchctl.open(dask)
-    batches = [ds[i] for i in range(len(ds))]
-    sources = [s for b in batches for s in b["source"]]
-    assert sorted(sources) == sorted(p.name for p in folder.iterdir())
-    assert_rows_exact(
-        folder, sources, [r for b in batches for r in b["tokens"]], [r for b in batches for r in b["boxes"]]
-    )
-    assert verify(dask) == []
+    assert_dataset_is_the_folder(dask, folder)

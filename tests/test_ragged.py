@@ -46,6 +46,17 @@ def assert_rows_exact(folder: Path, sources: list[str], tokens: list[np.ndarray]
         assert got_boxes.shape == want_boxes.shape and np.array_equal(got_boxes, want_boxes), source
 
 
+def assert_dataset_is_the_folder(out: str | Path, folder: Path) -> None:
+    """Every file of `folder` once in the dataset at `out`, its rows exact, every byte verified."""
+    ds = batchctl.open(out)
+    batches = [ds[i] for i in range(len(ds))]
+    sources = [s for b in batches for s in b["source"]]
+    assert sorted(sources) == sorted(p.name for p in folder.iterdir())
+    tokens, boxes = [r for b in batches for r in b["tokens"]], [r for b in batches for r in b["boxes"]]
+    assert_rows_exact(folder, sources, tokens, boxes)
+    assert [str(p) for p in verify(out)] == []
+
+
 @pytest.fixture(scope="module")
 def docs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     folder = tmp_path_factory.mktemp("docs") / "src"
