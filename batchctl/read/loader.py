@@ -77,7 +77,8 @@ class BufferPool:
         self.keep = keep
         self._free: dict[int, list[np.ndarray]] = {}
         self._kept = 0  # bytes waiting
-        self._lock = threading.Lock()
+        # reentrant: a finalizer may give a buffer back in the middle of this thread's own call
+        self._lock = threading.RLock()
 
     def allocate(self, rows: int, fields: Mapping[str, tuple[tuple[int, ...], Any]]) -> Batch:
         places, at = {}, 0
