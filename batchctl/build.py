@@ -37,7 +37,7 @@ from batchctl.run.processes import (
     start_forkserver,
     sweep_dead_builds,
 )
-from batchctl.run.signals import Signalled, check_signalled, signal_handled, signalled_in
+from batchctl.run.signals import Signalled, check_signalled, published, signal_handled, signalled_in
 from batchctl.run.staging import BuildPaths
 from batchctl.run.tally import Tally
 from batchctl.run.writeplan import Carry, CollatorConfig
@@ -102,6 +102,7 @@ class _Builder:
         self.digests: dict[str, str] = {}  # --checksum: each input's content hash
 
     def run(self) -> BuildReport:
+        published(False)
         check_source(self.source)  # a typo is a usage error that leaves nothing behind, no lock file either
         if storage.is_url(self.output):
             _check_store_reachable(self.paths)
@@ -321,6 +322,7 @@ class _Builder:
         known = hashes_by_key(self.paths.staging_files.arrays(), journal.sha256)
         publishing = time.monotonic()
         self.report.digest = publish(self.work, self.paths, attrs, record, notes, fingerprint, known)
+        published(True)  # from here a stop signal changes nothing: the dataset is complete
         self.report.timings["publish_s"] = round(time.monotonic() - publishing, 3)
         for warning in self.work.warnings:
             self.progress.info(warning)

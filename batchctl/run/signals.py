@@ -20,14 +20,24 @@ class Signalled(BaseException):
 
 
 _received: list[int] = []  # stop signals received and not yet acted on
+_published: list[bool] = [False]  # the build's dataset is published: a stop signal changes nothing now
 
 
 def raise_signalled(signum: int, frame: object = None) -> None:
     """The SIGINT/SIGTERM handler: note the signal, then raise it. The note outlives the raise,
     which library code can swallow (a `Signalled` wrapped by Python, then caught as an
-    Exception): `check_signalled` at the next checkpoint raises it again."""
+    Exception): `check_signalled` at the next checkpoint raises it again. Once the build has
+    published its dataset, a stop signal is dropped: the command ends as it would (exit 0, the
+    dataset complete), not as an interruption of work that is done."""
+    if _published[0]:
+        return
     _received.append(signum)
     raise Signalled(signum)
+
+
+def published(done: bool) -> None:
+    """Say whether the build under way has published its dataset (`raise_signalled`)."""
+    _published[0] = done
 
 
 def quiet_unraisable_signals() -> None:
