@@ -182,25 +182,14 @@ class Dataset:
         for name in ragged:
             offsets = out[metadata.offsets_array(name)]
             where = f"{self.path}: {name} batch {index}"
-            out[name] = ragged_rows.rows_of(offsets, self._read_values(name, index, offsets), where)
+            values = chunkread.batch_values(self._values[name], self.arrays[values_array(name)], index, offsets, where)
+            out[name] = ragged_rows.rows_of(offsets, values, where)
         out = {name: out[name] for name in names}
         for name, buffers in into.items():
             if self._fast[name] is None:
                 for buffer, values in zip(buffers, self._read_zarr(name, start, stop), strict=False):
                     buffer[...] = values
         return out
-
-    def _read_values(self, name: str, index: int, offsets: np.ndarray) -> np.ndarray:
-        """Batch `index`'s values of the ragged field `name` (its rows' `offsets` say how many)."""
-        reader = self._values[name]
-        if reader is not None:
-            return reader.read(index)
-        end = int(offsets[:, 1].max()) if len(offsets) else 0
-        arr = self.arrays[values_array(name)]
-        try:
-            return np.asarray(arr[index, :end])
-        except (RuntimeError, ValueError) as exc:  # what the decoders raise on bad bytes
-            raise FormatError(f"{self.path}: {arr.path} batch {index}: corrupt data ({exc})") from exc
 
     def _read_chunks(self, index: int, targets: Mapping[str, list[np.ndarray]]) -> None:
         """Chunk `index` of the fields read by batchctl's own readers into their buffers."""

@@ -34,9 +34,12 @@ class RowReader:
     def __init__(self, location: str, arrays: Mapping[str, Any]) -> None:
         self.arrays = arrays
         self.root = None if storage.is_url(location) else DatasetRoot(Path(location))
+        metas = {name: ArrayMeta.of_zarr(arr) for name, arr in arrays.items()}
         self.readers = {
-            name: ChunkReader.for_array(self.root, ArrayMeta.of_zarr(arr)) if self.root else None
-            for name, arr in arrays.items()
+            name: ChunkReader.for_array(self.root, meta) if self.root else None for name, meta in metas.items()
+        }
+        self.values = {
+            name: ValuesReader.for_array(self.root, meta) if self.root else None for name, meta in metas.items()
         }
 
     def ragged_rows(self, field: str, start: int, stop: int) -> np.ndarray:
@@ -44,18 +47,15 @@ class RowReader:
         by batch: each batch's offsets, then its values."""
         offsets_name, values_name = offsets_array(field), values_array(field)
         batch_size, total = int(self.arrays[offsets_name].chunks[0]), int(self.arrays[offsets_name].shape[0])
-        local = ValuesReader.for_array(self.root, ArrayMeta.of_zarr(self.arrays[values_name])) if self.root else None
         out = np.empty(stop - start, dtype=object)
         for batch in range(start // batch_size, (stop - 1) // batch_size + 1):
             first, last = batch * batch_size, min((batch + 1) * batch_size, total)
             offsets = self.rows(offsets_name, first, last)
-            end = int(offsets[:, 1].max()) if len(offsets) else 0
-            values = local.read(batch) if local is not None else np.asarray(self.arrays[values_name][batch, :end])
-            rows = ragged.rows_of(offsets, values, f"{values_name} batch {batch}")
+            where = f"{values_name} batch {batch}"
+            values = batch_values(self.values[values_name], self.arrays[values_name], batch, offsets, where)
+            rows = ragged.rows_of(offsets, values, where)
             lo, hi = max(start, first), min(stop, last)
             out[lo - start : hi - start] = rows[lo - first : hi - first]
-        if local is not None:
-            local.close()
         return out
 
     def rows(self, name: str, start: int, stop: int) -> np.ndarray:
@@ -214,34 +214,13 @@ class ChunkReader(ChunkLayout):
     def __init__(self, root: DatasetRoot, arr: ArrayMeta, inner: list[dict[str, Any]]) -> None:
         super().__init__(arr, inner)
         self.root = root
-        self._shards: dict[int, _OpenShard] = {}
-        self._lock = threading.Lock()
+        self._shards = ShardFiles(root, arr, self.per_shard)
         self._local = threading.local()
 
     @classmethod
     def for_array(cls, root: DatasetRoot, arr: ArrayMeta) -> ChunkReader | None:
         inner = own_codecs(arr)
         return None if inner is None else cls(root, arr, inner)
-
-    def _shard(self, shard: int) -> _OpenShard:
-        """An open shard file, its mapping and its index; the last few are kept."""
-        with self._lock:  # prefetch threads share the cache
-            cached = self._shards.get(shard)
-            if cached is None:
-                cached = self._open(shard)
-                if len(self._shards) >= _SHARD_CACHE:
-                    self._shards.pop(next(iter(self._shards)))  # closed once no read holds it
-                self._shards[shard] = cached
-        return cached
-
-    def _open(self, shard: int) -> _OpenShard:
-        """The shard file, opened and mapped, and its index, checked against its crc32c."""
-        file = self.root.open(self.arr.shard_key(shard), f"{self.arr.name} shard {shard}")
-        size = os.fstat(file.fileno()).st_size
-        raw = os.pread(file.fileno(), self.index_bytes, size - self.index_bytes) if size >= self.index_bytes else b""
-        index = self.parse_index(raw, shard)
-        mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
-        return _OpenShard(file, mapped, index)
 
     def read(self, chunk: int) -> np.ndarray:
         """Chunk `chunk` as an array of the full chunk shape (rows past the end are fill)."""
@@ -255,9 +234,7 @@ class ChunkReader(ChunkLayout):
         in the batch it will go to, so a shuffle costs no copy). Uncompressed chunks are read from
         the file straight into them; compressed ones decoded, then copied. Checksums are checked."""
         views = row_views(rows, self.chunk_bytes)
-        held = self._shard(
-            chunk // self.per_shard
-        )  # kept while this read uses it: the file closes with the last holder
+        held = self._shards.get(chunk // self.per_shard)  # kept while this read uses it: closed with the last holder
         offset, nbytes = self.locate(held.index, chunk)
         if self.stored_raw(nbytes):
             self._read_raw(held.file, offset, views, chunk)
@@ -291,12 +268,10 @@ class ValuesReader:
     chunk's checksum is checked."""
 
     def __init__(self, root: DatasetRoot, arr: ArrayMeta) -> None:
-        self.root, self.arr = root, arr
+        self.arr = arr
         self.encoder = ragged.ValuesEncoder(arr)
         self.per_shard = int(arr.grid[0])  # batches
-        self.index_bytes = arr.chunks_per_shard * 16 + 4
-        self._shards: dict[int, tuple[io.FileIO, np.ndarray]] = {}
-        self._lock = threading.Lock()
+        self._shards = ShardFiles(root, arr, arr.chunks_per_shard)
 
     @classmethod
     def for_array(cls, root: DatasetRoot, arr: ArrayMeta) -> ValuesReader | None:
@@ -305,34 +280,56 @@ class ValuesReader:
     def read(self, batch: int) -> np.ndarray:
         """Batch `batch`'s values, laid end to end (its last chunk's padding included)."""
         shard = batch // self.per_shard
-        file, index = self._shard(shard)
+        held = self._shards.get(shard)  # kept while this read uses it: closed with the last holder
         slots = self.encoder.slots
         where = f"{self.arr.name} shard {shard}, batch {batch}"
-        place = ragged.batch_place(index[(batch % self.per_shard) * slots :][:slots], self.encoder, where)
-        data = os.pread(file.fileno(), place[1], place[0])
+        place = ragged.batch_place(held.index[(batch % self.per_shard) * slots :][:slots], self.encoder, where)
+        data = os.pread(held.file.fileno(), place[1], place[0])
         if len(data) != place[1]:
             raise FormatError(f"{where}: the shard file is truncated")
         return self.encoder.decode(data, place, where)
 
-    def _shard(self, shard: int) -> tuple[io.FileIO, np.ndarray]:
-        with self._lock:
-            cached = self._shards.get(shard)
-            if cached is None:
-                file = self.root.open(self.arr.shard_key(shard), f"{self.arr.name} shard {shard}")
-                size = os.fstat(file.fileno()).st_size
-                at = size - self.index_bytes
-                raw = os.pread(file.fileno(), self.index_bytes, at) if at >= 0 else b""
-                index = parse_shard_index(raw, self.arr.chunks_per_shard, f"{self.arr.name} shard {shard}")
-                if len(self._shards) >= _SHARD_CACHE:
-                    self._shards.pop(next(iter(self._shards)))[0].close()
-                cached = self._shards[shard] = (file, index)
-        return cached
 
-    def close(self) -> None:
+def batch_values(reader: ValuesReader | None, arr: Any, batch: int, offsets: np.ndarray, where: str) -> np.ndarray:
+    """Batch `batch`'s values of a ragged field: by batchctl's own reader where it has one, else
+    through zarr (`arr`), as far as the batch's rows reach (their `offsets`)."""
+    if reader is not None:
+        return reader.read(batch)
+    end = int(offsets[:, 1].max()) if len(offsets) else 0
+    try:
+        return np.asarray(arr[batch, :end])
+    except (RuntimeError, ValueError) as exc:  # what the decoders raise on bad bytes
+        raise FormatError(f"{where}: corrupt data ({exc})") from exc
+
+
+class ShardFiles:
+    """The last few shard files of one array a reader used: each opened, mapped, and its index of
+    `positions` entries read and checked against its crc32c. A file dropped from the few closes
+    when the last read holding it lets go (`_OpenShard`)."""
+
+    def __init__(self, root: DatasetRoot, arr: ArrayMeta, positions: int) -> None:
+        self.root, self.arr, self.positions = root, arr, positions
+        self.index_bytes = positions * 16 + 4
+        self._open: dict[int, _OpenShard] = {}
+        self._lock = threading.Lock()  # prefetch threads share the cache
+
+    def get(self, shard: int) -> _OpenShard:
         with self._lock:
-            for file, _ in self._shards.values():
-                file.close()
-            self._shards = {}
+            held = self._open.get(shard)
+            if held is None:
+                held = self._opened(shard)
+                if len(self._open) >= _SHARD_CACHE:
+                    self._open.pop(next(iter(self._open)))  # closed once no read holds it
+                self._open[shard] = held
+        return held
+
+    def _opened(self, shard: int) -> _OpenShard:
+        file = self.root.open(self.arr.shard_key(shard), f"{self.arr.name} shard {shard}")
+        size = os.fstat(file.fileno()).st_size
+        raw = os.pread(file.fileno(), self.index_bytes, size - self.index_bytes) if size >= self.index_bytes else b""
+        index = parse_shard_index(raw, self.positions, f"{self.arr.name} shard {shard}")
+        mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+        return _OpenShard(file, mapped, index)
 
 
 class _OpenShard:
