@@ -29,6 +29,7 @@ from typing import Any, cast
 
 import numpy as np
 
+from batchctl.read.loader import batch_layout, field_view
 from batchctl.run.mpinternals import dup_fd_for_child, pickled_for_a_child
 
 # batches in the ring: a worker's loader makes all the output batches a group of `mix` stored
@@ -36,7 +37,6 @@ from batchctl.run.mpinternals import dup_fd_for_child, pickled_for_a_child
 # 48 batches a worker); then the DataLoader's prefetch and the loop's own. Only slots in use are
 # ever touched: the ring's memory is the batches in flight, as it was without it.
 SLOTS = 256
-ALIGN = 64
 _RINGS: dict[str, BatchRing] = {}  # the rings made in this process, for `SlotBatch` to find
 _WORKER_RINGS: dict[str, BatchRing] = {}  # the rings this process made batches in (a DataLoader worker's)
 
@@ -46,7 +46,7 @@ class BatchRing:
 
     def __init__(self, slot_bytes: int, slots: int | None = None) -> None:
         self.token = uuid.uuid4().hex
-        self.slot_bytes = -(-slot_bytes // ALIGN) * ALIGN
+        self.slot_bytes = slot_bytes  # (`batch_layout`'s sizes: already a multiple of its alignment)
         self.slots = SLOTS if slots is None else slots
         self.busy: Any = Array("b", self.slots)  # 1: the slot's batch is being made, in flight, or held
         self._fd = os.memfd_create("batchctl-batches", os.MFD_CLOEXEC)
@@ -85,16 +85,16 @@ class BatchRing:
         """An output batch's numeric arrays in a free slot (taken), or None: none is free, or the
         batch does not fit one. The slot is freed when the main process lets go of the batch, or
         when this process does without having sent it (a loop that made a new batch of it)."""
-        layout = _layout(rows, fields)
-        claimed = self._claim(layout)
+        layout, size = batch_layout(rows, fields)
+        claimed = self._claim(size)
         if claimed is None:
             return None
         _, owner = claimed
-        return {name: _field(owner, kind.str, shape, at) for name, (kind, shape, at) in layout.items()}
+        return {name: field_view(owner, kind, shape, at) for name, (kind, shape, at) in layout.items()}
 
-    def _claim(self, layout: Layout) -> tuple[int, np.ndarray] | None:
-        """A free slot for arrays laid out so (taken: freed as `allocate` says), and its memory."""
-        if not layout or _end(layout) > self.slot_bytes or self._fd < 0:
+    def _claim(self, size: int) -> tuple[int, np.ndarray] | None:
+        """A free slot for `size` bytes of arrays (taken: freed as `allocate` says), and its memory."""
+        if not size or size > self.slot_bytes or self._fd < 0:
             return None
         slot = self._take()
         if slot is None:
@@ -147,14 +147,14 @@ class BatchRing:
         """Copy the contiguous numeric fields of `batch` into a free slot, to be sent now: the slot
         and their places, or None (none free, or they do not fit)."""
         arrays = {name: array for name, value in batch.items() if (array := _array(value)) is not None}
-        layout = _layout(1, {name: (array.shape, array.dtype) for name, array in arrays.items()})  # (1, *shape)
-        claimed = self._claim(layout)
+        layout, size = batch_layout(1, {name: (array.shape, array.dtype) for name, array in arrays.items()})
+        claimed = self._claim(size)
         if claimed is None:
             return None
         slot, owner = claimed
         placed = {name: (array.dtype.str, tuple(array.shape), layout[name][2]) for name, array in arrays.items()}
         for name, (dtype, shape, at) in placed.items():
-            _field(owner, dtype, shape, at)[...] = arrays[name]
+            field_view(owner, dtype, shape, at)[...] = arrays[name]
         self._sent[slot][0] = True  # (before `owner` goes: nothing here holds the copy, the main process frees it)
         return self, slot, placed
 
@@ -226,7 +226,9 @@ def _rebuild(
     start = slot * ring.slot_bytes
     owner = np.frombuffer(ring._buffer(), np.uint8, count=ring.slot_bytes, offset=start)  # the slot, while in use
     weakref.finalize(owner, ring._received_dropped, slot)
-    tensors = {name: torch.from_numpy(_field(owner, dtype, shape, at)) for name, (dtype, shape, at) in placed.items()}
+    tensors = {
+        name: torch.from_numpy(field_view(owner, dtype, shape, at)) for name, (dtype, shape, at) in placed.items()
+    }
     return {name: tensors[name] if name in tensors else others[name] for name in names}
 
 
@@ -244,33 +246,6 @@ def _array(value: Any) -> np.ndarray | None:
     return None
 
 
-def _field(owner: np.ndarray, dtype: str, shape: tuple[int, ...], at: int) -> np.ndarray:
-    """A field's array in a slot: a view of the slot's `owner` (which its finalizer watches)."""
-    return owner[at : at + _nbytes(dtype, shape)].view(dtype).reshape(shape)
-
-
-Layout = dict[str, tuple[np.dtype[Any], tuple[int, ...], int]]  # field -> (dtype, shape, offset in the slot)
-
-
-def _layout(rows: int, fields: Mapping[str, tuple[tuple[int, ...], Any]]) -> Layout:
-    layout: Layout = {}
-    at = 0
-    for name, (shape, dtype) in fields.items():
-        kind = np.dtype(dtype)
-        layout[name] = (kind, (rows, *shape), at)
-        at += -(-_nbytes(kind.str, (rows, *shape)) // ALIGN) * ALIGN
-    return layout
-
-
-def _end(layout: Layout) -> int:
-    return max(at + _nbytes(kind.str, shape) for kind, shape, at in layout.values())
-
-
-def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
-    return int(np.prod(shape)) * np.dtype(dtype).itemsize
-
-
 def slot_bytes(batch_rows: int, fields: Mapping[str, tuple[tuple[int, ...], Any]]) -> int:
     """The bytes a slot needs for a batch of `batch_rows` rows of these numeric fields."""
-    layout = _layout(batch_rows, fields)
-    return _end(layout) if layout else 0
+    return batch_layout(batch_rows, fields)[1]

@@ -65,6 +65,29 @@ class BatchSource(Protocol):
     ) -> Batch: ...
 
 
+Layout = dict[str, tuple[np.dtype[Any], tuple[int, ...], int]]  # field -> (dtype, array shape, offset)
+LAYOUT_ALIGN = 64
+
+
+def batch_layout(rows: int, fields: Mapping[str, tuple[tuple[int, ...], Any]]) -> tuple[Layout, int]:
+    """Where each numeric field of a batch of `rows` rows lies in one buffer (each at a multiple
+    of LAYOUT_ALIGN bytes), and the buffer's size: `BufferPool`'s and the batch ring's slots."""
+    layout: Layout = {}
+    at = 0
+    for name, (shape, dtype) in fields.items():
+        kind, full = np.dtype(dtype), (rows, *shape)
+        layout[name] = (kind, full, at)
+        at += -(-int(np.prod(full, dtype=np.int64)) * kind.itemsize // LAYOUT_ALIGN) * LAYOUT_ALIGN
+    return layout, at
+
+
+def field_view(owner: np.ndarray, dtype: Any, shape: tuple[int, ...], at: int) -> np.ndarray:
+    """A field's array at offset `at` of `owner` (flat bytes): a view, `owner` its base."""
+    kind = np.dtype(dtype)
+    view: np.ndarray = owner[at : at + int(np.prod(shape, dtype=np.int64)) * kind.itemsize].view(kind)
+    return view.reshape(shape)
+
+
 class BufferPool:
     """The memory of output batches, used again once the loop lets go of a batch (one pool per
     process: a new loader each epoch reuses it too). A batch made in fresh memory pays a page
@@ -81,11 +104,7 @@ class BufferPool:
         self._lock = threading.RLock()
 
     def allocate(self, rows: int, fields: Mapping[str, tuple[tuple[int, ...], Any]]) -> Batch:
-        places, at = {}, 0
-        for name, (shape, dtype) in fields.items():
-            kind = np.dtype(dtype)
-            places[name] = (kind, (rows, *shape), at)
-            at += -(-rows * int(np.prod(shape, dtype=np.int64)) * kind.itemsize // 64) * 64
+        places, at = batch_layout(rows, fields)
         with self._lock:
             free = self._free.get(at)
             backing = free.pop() if free else None
@@ -96,10 +115,7 @@ class BufferPool:
         # of an array would name that array as their base, and this one could go before them)
         owner = np.frombuffer(backing.data, np.uint8)
         weakref.finalize(owner, self._give_back, backing)
-        return {
-            name: owner[at : at + int(np.prod(shape, dtype=np.int64)) * kind.itemsize].view(kind).reshape(shape)
-            for name, (kind, shape, at) in places.items()
-        }
+        return {name: field_view(owner, kind, shape, at) for name, (kind, shape, at) in places.items()}
 
     def _give_back(self, backing: np.ndarray) -> None:
         with self._lock:
