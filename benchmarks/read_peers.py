@@ -117,9 +117,6 @@ def run_torchvision(photos: str, workers: int, batch: int) -> float:
     does not import (PyPI's wheel is the CUDA build, which a CPU torch cannot load), the same
     work on PIL: batchctl's image preprocessing is torchvision's Resize + CenterCrop, tested
     against it (tests/reference.py)."""
-    import torch
-    from torch.utils.data import DataLoader
-
     try:
         from torchvision import datasets, transforms
 
@@ -128,12 +125,7 @@ def run_torchvision(photos: str, workers: int, batch: int) -> float:
     except (ImportError, RuntimeError):
         folder = _PhotoFolder(photos)
         print("STANDIN torchvision does not import here: the same decode, Resize and CenterCrop on PIL")
-    loader = DataLoader(folder, batch_size=batch, shuffle=True, num_workers=workers, drop_last=True)
-    images, start = 0, time.perf_counter()
-    for image, _label in loader:
-        assert isinstance(image, torch.Tensor)
-        images += len(image)
-    return images / (time.perf_counter() - start)
+    return _folder_epoch(folder, workers, batch)
 
 
 def run_torchvision_rrc(photos: str, workers: int, batch: int) -> float:
@@ -141,9 +133,6 @@ def run_torchvision_rrc(photos: str, workers: int, batch: int) -> float:
     shuffled DataLoader (issue 46's peer): one epoch. Where torchvision does not import, the same
     on PIL: decode, convert to RGB, torchvision's crop rules (`augment.random_resized_box`), one
     bilinear resize of the region (PIL's, as torchvision's PIL path), a flip half the time."""
-    import torch
-    from torch.utils.data import DataLoader
-
     try:
         from torchvision import datasets, transforms
 
@@ -152,6 +141,14 @@ def run_torchvision_rrc(photos: str, workers: int, batch: int) -> float:
     except (ImportError, RuntimeError):
         folder = _PhotoFolder(photos, crop=224)
         print("STANDIN torchvision does not import here: the same decode, RandomResizedCrop and flip on PIL")
+    return _folder_epoch(folder, workers, batch)
+
+
+def _folder_epoch(folder: Any, workers: int, batch: int) -> float:
+    """One shuffled epoch of an ImageFolder-like dataset in a DataLoader: images/s."""
+    import torch
+    from torch.utils.data import DataLoader
+
     loader = DataLoader(folder, batch_size=batch, shuffle=True, num_workers=workers, drop_last=True)
     images, start = 0, time.perf_counter()
     for image, _label in loader:
