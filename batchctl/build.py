@@ -18,9 +18,9 @@ from typing import Any, Unpack
 from batchctl.errors import BuildFailed, BuildInterrupted, PipelineError, UsageError
 from batchctl.plan.discover import Discovery, check_source, discover, hash_files
 from batchctl.plan.options import BuildKwargs, BuildOptions, build_options, dataset_spec, default_workers
-from batchctl.plan.start import Interrupted, Published, Request, Start, plan_start, untrusted_work
+from batchctl.plan.start import Interrupted, Published, Request, Start, plan_resume, plan_start, untrusted_work
 from batchctl.plan.tasks import make_tasks
-from batchctl.prepare import damaged_shards, prepare, read_interrupted, read_published
+from batchctl.prepare import Output, damaged_shards, prepare, read_interrupted, read_output, read_published
 from batchctl.preprocess import resolve
 from batchctl.progress import ConsoleProgress, Progress
 from batchctl.publish import Origin, dataset_attrs, publish, record_of
@@ -112,7 +112,9 @@ class _Builder:
         try:
             lock = BuildLock(self.paths.lock).acquire()
         except LockUnavailable:  # a folder this user cannot write: enough to say a dataset is up to date
-            if not self.options.force and self._up_to_date(self._fingerprint(self._discover())):
+            if self.options.force:
+                raise
+            if self._up_to_date(self._fingerprint(self._discover()), read_output(self.paths)):
                 return self._end("up_to_date")
             raise
         with lock, signals_raise():
@@ -135,10 +137,10 @@ class _Builder:
     def _run_locked(self) -> BuildReport:
         check_signalled()  # checkpoints: a signal whose raise library code swallowed is acted on here
         sweep_dead_builds()  # what builds killed with their whole process group left in /dev/shm
-        self._recover_publish()
+        output = self._recover_publish()
         discovery = self._discover()
         fingerprint = self._fingerprint(discovery)
-        if not self.options.force and self._up_to_date(fingerprint):
+        if not self.options.force and self._up_to_date(fingerprint, output):
             return self._end("up_to_date")
         self.work.check_replaceable()
         self.marks["discovered"] = time.monotonic()
@@ -151,7 +153,7 @@ class _Builder:
                 f"preprocessor ({', '.join(self.preprocessor.include or self.preprocessor.extensions or ('any',))})",
                 self.report,
             )
-        start = self._start(discovery)
+        start = self._start(discovery, output)
         written = start.written()
         tasks = make_tasks(self.preprocessor, self.pp_options, self.source, discovery.items, written, start.only)
         check_signalled()
@@ -172,7 +174,7 @@ class _Builder:
         self.tally.check_mostly_skipped()
         return self._complete(discovery, fingerprint, finished)
 
-    def _start(self, discovery: Discovery) -> Start:
+    def _start(self, discovery: Discovery, output: Output) -> Start:
         """Plan where this build starts from what is on disk, and set the work folder up for it."""
         self.report.in_place = self.paths.remote  # from here on a URL OUTPUT is written in place
         keep_tail = self.options.engine == "local" and not self.paths.remote  # only the collator appends to a shard
@@ -198,10 +200,15 @@ class _Builder:
                 interrupted = read_interrupted(self.paths, self.work, self.options.batch_size)
             except Untrusted as exc:
                 raise untrusted_work(self.paths.workdir_url, exc) from None
-        start = self._checked_start(request, interrupted, keep_tail)
+        start = plan_resume(request, interrupted)
+        published = None
+        if start is None:  # the published dataset is read only when the interrupted build is not resumed
+            published = read_published(self.paths, output, keep_tail)
+            start, published = self._checked_start(request, interrupted, published)
         for note in start.notes:
             self.progress.info(note)
-        prepare(start, request, self.paths, self.work, lambda: dataset_attrs(self._origin(discovery), []))
+        staging_attrs = dataset_attrs(self._origin(discovery), [])
+        prepare(start, request, self.paths, self.work, staging_attrs, interrupted, published)
         for relpath, skipped in start.skipped.items():
             self.report.errors.append(FileError(relpath, skipped.reason, skipped.retry))
         if start.changes is not None:
@@ -210,24 +217,20 @@ class _Builder:
         self.report.resumed_shards, self.report.resumed_samples = start.resumed_shards, start.resumed_samples
         return start
 
-    def _checked_start(self, request: Request, interrupted: Interrupted | None, keep_tail: bool) -> Start:
+    def _checked_start(
+        self, request: Request, interrupted: Interrupted | None, published: Published
+    ) -> tuple[Start, Published]:
         """The start `plan_start` gives, planned again when shards an incremental build would keep
         are damaged (`damaged_shards`): their files are preprocessed again, nothing unsound is
-        linked into the new dataset or vouched for by its digest."""
-        read: list[Published] = []
-
-        def published() -> Published:
-            read.append(read_published(self.paths, keep_tail))
-            return read[-1]
-
+        linked into the new dataset or vouched for by its digest. Returns the facts it used."""
         start = plan_start(request, interrupted, published)
-        if start.seed is None or not read:
-            return start
-        damaged = damaged_shards(self.paths, read[0], start.seed.kept_shards)
+        if start.seed is None:
+            return start, published
+        damaged = damaged_shards(self.paths, published, start.seed.kept_shards)
         if not damaged:
-            return start
-        facts = dataclasses.replace(read[0], damaged=damaged)
-        return plan_start(request, interrupted, lambda: facts)
+            return start, published
+        published = dataclasses.replace(published, damaged=damaged)
+        return plan_start(request, interrupted, published), published
 
     def _carry(self, start: Start) -> Carry | None:
         """An incremental build's rows to carry over from the last build (None: not incremental)."""
@@ -366,18 +369,21 @@ class _Builder:
             self.digests = hash_files(self.source, discovery.items, self.options.storage_options, self.options.workers)
         return discovery.fingerprint([self.spec, discovery.classes], digests=self.digests)
 
-    def _recover_publish(self) -> None:
-        """A run killed while publishing: finish it, or drop its marker so the build resumes."""
-        published = meta.read_dataset_attrs(self.output, self.options.storage_options)
-        done = self.work.recover(published.build_id if published is not None and published.complete else None)
+    def _recover_publish(self) -> Output:
+        """A run killed while publishing: finish it, or drop its marker so the build resumes.
+        Returns the dataset at OUTPUT as it is then (read again only when a publish was recovered)."""
+        output = read_output(self.paths)
+        done = self.work.recover(output.attrs.build_id if output.complete and output.attrs else None)
+        if done is None:
+            return output
         if done:
             self.progress.info(done)
+        return read_output(self.paths)
 
-    def _up_to_date(self, fingerprint: str) -> bool:
-        attrs = meta.read_dataset_attrs(self.output, self.options.storage_options)
+    def _up_to_date(self, fingerprint: str, output: Output) -> bool:
+        attrs, info = output.attrs, output.info
         if attrs is None or not attrs.complete:
             return False
-        info = meta.read_build_info(self.output, self.options.storage_options)
         if info is None or info.fingerprint != fingerprint or info.digest != attrs.digest:
             return False
         self.report.digest = attrs.digest

@@ -1,16 +1,16 @@
-"""Before a build runs: read what its start is planned from (`read_interrupted`, `read_published`:
-the facts `batchctl.plan.start.plan_start` decides on), then set the work folder up as the plan
-says (`prepare`): keep what a resume keeps, or seed an incremental build's staging dataset from
-the published one, or start an empty one.
+"""Before a build runs: read what its start is planned from, once each (`read_output`: the
+dataset at OUTPUT; `read_interrupted`, `read_published`: the facts `batchctl.plan.start` decides
+on), then set the work folder up as the plan says (`prepare`): keep what a resume keeps, or seed an
+incremental build's staging dataset from the published one, or start an empty one.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,27 @@ from batchctl.store.journal import GroupLine, Journaled, Untrusted, resolve
 from batchctl.store.record import Record, read_record
 from batchctl.store.shards import read_chunk
 from batchctl.store.zarrmeta import ArrayMeta, DatasetFiles
+
+
+@dataclass(frozen=True)
+class Output:
+    """The dataset at OUTPUT as this build finds it (once any half-done publish is recovered): its
+    attributes and, when it is complete, its build info. Read once, for the up-to-date check and
+    the start's plan."""
+
+    attrs: meta.DatasetAttrs | None = None
+    info: meta.BuildInfo | None = None
+
+    @property
+    def complete(self) -> bool:
+        return self.attrs is not None and self.attrs.complete
+
+
+def read_output(paths: BuildPaths) -> Output:
+    attrs = meta.read_dataset_attrs(paths.url, paths.storage_options)
+    if attrs is None or not attrs.complete:
+        return Output(attrs)
+    return Output(attrs, meta.read_build_info(paths.url, paths.storage_options))
 
 
 def read_interrupted(paths: BuildPaths, work: Workdir, batch_size: int) -> Interrupted | None:
@@ -96,13 +117,12 @@ def _group_there(
     return bool(spill_fs.exists(where))
 
 
-def read_published(paths: BuildPaths, keep_tail: bool) -> Published:
-    """The dataset at OUTPUT, its record (and why it is not used), and the chunks of its short
-    last shard, which an incremental build may keep open."""
-    attrs = meta.read_dataset_attrs(paths.url, paths.storage_options)
+def read_published(paths: BuildPaths, output: Output, keep_tail: bool) -> Published:
+    """The dataset at OUTPUT (as `read_output` found it), its record (and why it is not used),
+    and the chunks of its short last shard, which an incremental build may keep open."""
+    attrs, info = output.attrs, output.info
     if attrs is None or not attrs.complete:
         return Published(attrs)
-    info = meta.read_build_info(paths.url, paths.storage_options)
     if info is not None and info.digest != attrs.digest:
         info = None  # not this version's
     try:
@@ -116,7 +136,7 @@ def read_published(paths: BuildPaths, keep_tail: bool) -> Published:
     if record is None:
         return Published(attrs)
     try:
-        tail = _tail_chunks(paths, record) if keep_tail else {}
+        tail = _tail_chunks(paths, arrays, record) if keep_tail else {}
     except (OSError, FormatError) as exc:
         return Published(attrs, record_problem=f"its last shard cannot be kept open ({exc})")
     hashes = hashes_by_shard(arrays, info.shards, attrs.num_shards) if info else {}  # not read again
@@ -158,14 +178,15 @@ def _read_record(paths: BuildPaths, attrs: meta.DatasetAttrs, sha256: str) -> Re
     return None
 
 
-def _tail_chunks(paths: BuildPaths, record: Record) -> dict[str, tuple[tuple[int, ...], ...]]:
+def _tail_chunks(
+    paths: BuildPaths, arrays: Mapping[str, ArrayMeta], record: Record
+) -> dict[str, tuple[tuple[int, ...], ...]]:
     """(offset, nbytes) of each chunk of the published last shard of every array, from its index,
     when that shard is short (local OUTPUT: only there is a shard kept open)."""
     last = record.batches[-1].shard if record.batches else -1
     rows = sum(batch.rows for batch in record.batches if batch.shard == last)
     if last < 0 or rows >= record.shard_rows or paths.remote:
         return {}
-    arrays = DatasetFiles(paths.url).arrays()
     found = {}
     for name, arr in arrays.items():
         path = paths.output / arr.shard_key(last)
@@ -177,39 +198,47 @@ def _tail_chunks(paths: BuildPaths, record: Record) -> dict[str, tuple[tuple[int
 
 
 def prepare(
-    start: Start, request: Request, paths: BuildPaths, work: Workdir, staging_attrs: Callable[[], meta.DatasetAttrs]
+    start: Start,
+    request: Request,
+    paths: BuildPaths,
+    work: Workdir,
+    staging_attrs: meta.DatasetAttrs,
+    interrupted: Interrupted | None,
+    published: Published | None,
 ) -> None:
-    """Set the work folder up as `start` says. A resume keeps its state and journal (cut to what
-    it keeps) and drops the shard files past them; any other start empties the work folder, makes
-    the staging dataset (`staging_attrs`: its attributes, `complete` false) and writes the state
-    last: a start cut short is simply made again."""
+    """Set the work folder up as `start` says, from the facts it was planned on. A resume keeps its
+    state and journal (cut to what it keeps) and drops the shard files past them; any other start
+    empties the work folder, makes the staging dataset (`staging_attrs`: its attributes,
+    `complete` false; an incremental build's from the published arrays) and writes the state last:
+    a start cut short is simply made again."""
     if start.how == "resume":
+        assert interrupted is not None
         if start.state.engine == "local":
             work.rewrite_journal(start.kept.lines())
-            files = paths.staging_files
-            arrays = files.arrays()
-            if arrays:
-                remove_shards_from(files, arrays, max((b.shard for b in start.kept.kept), default=-1) + 1)
+            last = max((b.shard for b in start.kept.kept), default=-1)
+            remove_shards_from(paths.staging_files, interrupted.arrays, last + 1)
         return
     work.start()
     if start.seed is None:
-        meta.write_dataset_attrs(paths.staging_files, staging_attrs(), new=True)
+        meta.write_dataset_attrs(paths.staging_files, staging_attrs, new=True)
     else:
-        _seed(paths, start.seed, request.carry_from, staging_attrs)
+        assert published is not None
+        _seed(paths, start.seed, request.carry_from, staging_attrs, published.arrays)
         work.append_journal(start.seed.lines)
     work.write_state(start.state)
 
 
-def _seed(paths: BuildPaths, seed: Seed, carry_from: str, staging_attrs: Callable[[], meta.DatasetAttrs]) -> None:
-    """The staging dataset an incremental build starts from: the published dataset's arrays
+def _seed(
+    paths: BuildPaths, seed: Seed, carry_from: str, staging_attrs: meta.DatasetAttrs, arrays: Mapping[str, ArrayMeta]
+) -> None:
+    """The staging dataset an incremental build starts from: the published dataset's `arrays`
     (empty) and its kept shards renumbered 0..K-1. On an object store, where the dataset is
     changed in place, it is first marked incomplete and the shards whose rows are carried are
     copied aside (to `carry_from`)."""
     files = paths.staging_files
     if paths.remote:
-        meta.write_dataset_attrs(files, staging_attrs())  # no longer complete: its shards move now
+        meta.write_dataset_attrs(files, staging_attrs)  # no longer complete: its shards move now
         fs, root = storage.locate(paths.url, paths.storage_options)
-        arrays = files.arrays()
         _copy_metadata(files, DatasetFiles(carry_from, paths.storage_options), arrays)
         for shard in seed.carried_shards:
             _copy_shard(fs, arrays, f"{root}/", shard, f"{storage.fs_path(carry_from)}/", shard)
@@ -219,7 +248,6 @@ def _seed(paths: BuildPaths, seed: Seed, carry_from: str, staging_attrs: Callabl
         remove_shards_from(files, arrays, len(seed.kept_shards))
         return
     published = DatasetFiles(paths.url)
-    arrays = published.arrays()
     _copy_metadata(published, files, arrays)
     for new, old in enumerate(seed.kept_shards):
         for arr in arrays.values():
@@ -229,7 +257,7 @@ def _seed(paths: BuildPaths, seed: Seed, carry_from: str, staging_attrs: Callabl
             else:  # the open tail grows: a copy of its own, never a link to the published file
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(source, target)
-    meta.write_dataset_attrs(files, staging_attrs())
+    meta.write_dataset_attrs(files, staging_attrs)
 
 
 def _copy_metadata(source: DatasetFiles, dest: DatasetFiles, arrays: Mapping[str, ArrayMeta]) -> None:

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import pytest
 
 from batchctl.errors import ResumeMismatchError
-from batchctl.plan.start import Interrupted, Published, Request, plan_start
+from batchctl.plan.start import Interrupted, Published, Request, Start, plan_resume, plan_start
 from batchctl.records import WorkItem
 from batchctl.store.journal import (
     BatchLine,
@@ -102,16 +102,20 @@ def published(rec: Record | None, complete: bool = True, **given: object) -> Pub
     return Published(attrs, rec, source_width=rec.source_width if rec else 32, **given)  # type: ignore[arg-type]
 
 
-def nothing() -> Published:
-    return Published()
+NOTHING = Published()  # no dataset at OUTPUT
 
 
-def not_read() -> Published:
-    raise AssertionError("the published dataset is read only when no resume is made")
+def resumed(req: Request, facts: Interrupted) -> Start:
+    """The start planned without the published facts (the builder reads them only when no resume
+    is made): a resume, equal to what `plan_start` gives whatever is published."""
+    start = plan_resume(req, facts)
+    assert start is not None, "a resume was expected"
+    assert plan_start(req, facts, published(record(list(req.items)))) == start
+    return start
 
 
 def test_a_first_build_starts_fresh_and_says_nothing() -> None:
-    start = plan_start(request(items(5)), None, nothing)
+    start = plan_start(request(items(5)), None, NOTHING)
     assert start.how == "fresh" and start.notes == () and start.kept == Journaled()
     assert start.state == State(SPEC, SOURCE, None, "local") and start.only is None and start.written() == {}
 
@@ -119,13 +123,13 @@ def test_a_first_build_starts_fresh_and_says_nothing() -> None:
 def test_an_interrupted_build_of_other_options_is_refused_naming_them() -> None:
     other = State({**SPEC, "batch_size": 4}, SOURCE, None)
     with pytest.raises(ResumeMismatchError, match="batch_size was 4, now 2.*--no-resume"):
-        plan_start(request(items(5)), interrupted(Journaled(), other), not_read)
+        resumed(request(items(5)), interrupted(Journaled(), other))
 
 
 def test_a_resume_keeps_every_journaled_batch_and_the_half_filled_one() -> None:
     files = items(5)
     journal = journal_of(batches(files))  # batches 0, 1 (shard 0), 2 (one row: the half-filled batch)
-    start = plan_start(request(files), interrupted(journal), not_read)
+    start = resumed(request(files), interrupted(journal))
     assert start.how == "resume" and start.kept.batches == journal.batches and start.kept.partial == journal.partial
     assert start.resumed_samples == 5 and start.notes == ("resuming: 5 samples kept from the interrupted build",)
     assert start.written()[("f04.png", 0)] == Written(1, True, 104, 1004)
@@ -135,14 +139,14 @@ def test_a_batch_whose_chunks_a_damaged_disk_lost_ends_what_is_kept() -> None:
     files = items(6)
     journal = journal_of(batches(files))
     short = {(name, shard): 20 for name in ARRAYS for shard in (0, 1)} | {("image", 1): 5}
-    start = plan_start(request(files), interrupted(journal, shard_sizes=short), not_read)
+    start = resumed(request(files), interrupted(journal, shard_sizes=short))
     assert [b.batch for b in start.kept.batches] == [0, 1] and start.kept.partial is None
     assert set(start.written()) == {(f.relpath, 0) for f in files[:4]}
 
 
 def test_a_half_filled_batch_that_does_not_decode_is_dropped_alone() -> None:
     files = items(5)
-    start = plan_start(request(files), interrupted(journal_of(batches(files)), partial_decodes=False), not_read)
+    start = resumed(request(files), interrupted(journal_of(batches(files)), partial_decodes=False))
     assert len(start.kept.batches) == 2 and start.kept.partial is None and start.resumed_samples == 4
 
 
@@ -151,10 +155,10 @@ def test_a_journal_not_of_batchctls_form_stops_the_build_naming_the_work_folder(
     no_chunk = dataclasses.replace(batches(files)[1], chunks={"image": (10, 10)})
     journal = resolve([batches(files)[0], no_chunk], 2)
     with pytest.raises(Untrusted, match=r"\.d\.zarr\.batchctl is not what batchctl wrote .*no chunk of 'source'"):
-        plan_start(request(files), interrupted(journal), not_read)
+        resumed(request(files), interrupted(journal))
     bad = Interrupted(State(SPEC, SOURCE, None), problem="journal line 3: rows is 0")
     with pytest.raises(Untrusted, match="journal line 3: rows is 0.*--no-resume"):
-        plan_start(request(files), bad, not_read)
+        resumed(request(files), bad)
 
 
 @pytest.mark.parametrize(
@@ -177,13 +181,13 @@ def test_an_interrupted_build_that_cannot_be_trusted_is_started_over(state: Stat
     files = items(4)
     journal = journal_of(batches(files))
     now = items(4, mtime=change["mtime"]) if change else files
-    start = plan_start(request(now), interrupted(journal, state), nothing)
+    start = plan_start(request(now), interrupted(journal, state), NOTHING)
     assert start.how == "fresh" and start.notes == (note,) and start.written() == {}
 
 
 def test_no_resume_ignores_the_interrupted_work() -> None:
     files = items(4)
-    start = plan_start(request(files, resume=False), interrupted(journal_of(batches(files))), nothing)
+    start = plan_start(request(files, resume=False), interrupted(journal_of(batches(files))), NOTHING)
     assert start.how == "fresh"
 
 
@@ -193,14 +197,14 @@ def test_a_dask_resume_keeps_the_groups_whose_output_is_there() -> None:
               for g, pair in enumerate([files[:2], files[2:]])]  # fmt: skip
     state = State(SPEC, SOURCE, None, "dask")
     facts = Interrupted(state, resolve(groups, 2), arrays=ARRAYS, groups_present=frozenset({1}))
-    start = plan_start(request(files, engine="dask"), facts, not_read)
+    start = resumed(request(files, engine="dask"), facts)
     assert start.kept.groups == (groups[1],) and set(start.written()) == {("f02.png", 0), ("f03.png", 0)}
 
 
 def test_a_change_builds_incrementally_keeping_the_untouched_shards_whole() -> None:
     files = items(8)  # shards 0..1 of 4 rows each
     now = [*files[:5], dataclasses.replace(files[5], mtime_ns=9), *files[6:], WorkItem("new.png", 0, 1, 1)]
-    start = plan_start(request(now), None, lambda: published(record(files)))
+    start = plan_start(request(now), None, published(record(files)))
     assert start.how == "incremental" and start.seed is not None
     assert start.seed.kept_shards == (0,) and start.seed.whole == 1 and start.seed.carried_shards == (1,)
     assert start.only == {"f05.png", "new.png"}
@@ -215,12 +219,12 @@ def test_the_short_last_shard_is_kept_open_with_its_chunks_places() -> None:
     files = items(7)  # shard 1: batches 2 (2 rows) and 3 (1 row)
     tail = {name: ((0, 10), (10, 5)) for name in ARRAYS}
     start = plan_start(request([*files, WorkItem("new.png", 0, 1, 1)]), None,
-                       lambda: published(record(files), tail_chunks=tail))  # fmt: skip
+                       published(record(files), tail_chunks=tail))  # fmt: skip
     assert start.seed is not None and start.seed.kept_shards == (0, 1) and start.seed.whole == 1
     assert start.carry == () and start.kept.partial is not None and start.kept.partial.chunks["image"] == (10, 5)
     assert [b.chunks.get("image") for b in start.kept.batches] == [None, None, (0, 10)]
     without = plan_start(request([*files, WorkItem("new.png", 0, 1, 1)], keep_tail=False), None,
-                         lambda: published(record(files)))  # fmt: skip
+                         published(record(files)))  # fmt: skip
     assert without.seed is not None and without.seed.kept_shards == (0,) and len(without.carry) == 3
 
 
@@ -228,7 +232,7 @@ def test_an_unchanged_file_the_last_build_skipped_is_reported_again_not_retried(
     files = items(5)
     gone = Skipped(files[4].size, files[4].mtime_ns, "truncated", False)
     rec = record(files[:4], skipped={"f04.png": gone})
-    start = plan_start(request([*files, WorkItem("new.png", 0, 1, 1)]), None, lambda: published(rec))
+    start = plan_start(request([*files, WorkItem("new.png", 0, 1, 1)]), None, published(rec))
     assert start.skipped == {"f04.png": gone} and start.only == {"new.png"}
 
 
@@ -257,22 +261,22 @@ EVERYTHING = "building everything: "
     ],
 )
 def test_what_cannot_be_built_on_is_built_whole_saying_why(facts: Published, ask: dict, note: str) -> None:
-    start = plan_start(request([*items(4), WorkItem("new.png", 0, 1, 1)], **ask), None, lambda: facts)
+    start = plan_start(request([*items(4), WorkItem("new.png", 0, 1, 1)], **ask), None, facts)
     assert start.how == "fresh" and len(start.notes) == 1 and start.notes[0].startswith(note)
 
 
 def test_a_resumed_incremental_build_carries_only_what_it_had_not_written() -> None:
     files = items(8)
     now = [*files[:5], dataclasses.replace(files[5], mtime_ns=9), *files[6:]]
-    first = plan_start(request(now), None, lambda: published(record(files)))
+    first = plan_start(request(now), None, published(record(files)))
     carried = first.carry[0]  # f04.png: written into batch 2 before the kill
     run = FileRun(carried.item.relpath, 1, True, carried.item.size, carried.item.mtime_ns, 0)
     lines = [*first.kept.lines(), BatchLine(2, 1, 1, (run,), {name: (0, 10) for name in ARRAYS})]
     facts = interrupted(resolve(lines, 2), first.state, record=record(files))
-    start = plan_start(request(now), facts, not_read)
+    start = resumed(request(now), facts)
     assert start.how == "resume" and start.kept.partial is not None
     assert [c.item.relpath for c in start.carry] == ["f06.png", "f07.png"] and start.resumed_samples == 1
-    gone = plan_start(request(now), dataclasses.replace(facts, record=None), lambda: published(record(files)))
+    gone = plan_start(request(now), dataclasses.replace(facts, record=None), published(record(files)))
     assert gone.notes[0] == "the record of the last build is gone; starting over" and gone.how == "incremental"
 
 
@@ -282,7 +286,7 @@ def test_with_checksum_a_touched_file_of_the_same_content_keeps_its_rows() -> No
     touched = [dataclasses.replace(f, mtime_ns=f.mtime_ns + 5) for f in files]
     rec = record(files, checksum=True, digests=digests)
     start = plan_start(request([*touched, WorkItem("new.png", 0, 1, 1)], checksum=True, digests=digests), None,
-                       lambda: published(rec))  # fmt: skip
+                       published(rec))  # fmt: skip
     assert start.how == "incremental" and start.only == {"new.png"} and start.kept_samples == 4
 
 
@@ -291,14 +295,18 @@ def test_more_kept_samples_than_the_journal_holds_is_untrusted() -> None:
     state = State(SPEC, SOURCE, None, incremental=Seeded("b1", "feed", "/out/d.zarr", 0, 99))
     facts = interrupted(journal_of(batches(files)), state, record=record(files))
     with pytest.raises(Untrusted, match="kept_samples is more than the 4 rows"):
-        plan_start(request(files), facts, not_read)
+        resumed(request(files), facts)
 
 
 def test_the_plan_is_a_pure_function_of_its_facts() -> None:
     """The same request and facts give equal starts, however often planned (the builder plans
-    twice when kept shards are damaged), and the published facts are read only when needed."""
+    twice when kept shards are damaged); a resume is planned without the published facts, and
+    `plan_resume` says when there is none to make."""
     files = items(4)
     facts = interrupted(journal_of(batches(files)[:1]))
-    first, again = plan_start(request(files), facts, not_read), plan_start(request(files), facts, not_read)
+    first, again = resumed(request(files), facts), resumed(request(files), facts)
     assert first == again and first.how == "resume"
-    assert plan_start(request(items(2)), None, nothing) == plan_start(request(items(2)), None, nothing)
+    assert plan_start(request(items(2)), None, NOTHING) == plan_start(request(items(2)), None, NOTHING)
+    assert plan_resume(request(items(2)), None) is None
+    assert plan_resume(request(files, resume=False), facts) is None
+    assert plan_resume(request(files, engine="dask"), facts) is None  # another engine's work: started over

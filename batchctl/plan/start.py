@@ -1,17 +1,18 @@
 """Planning a build's start: resume the interrupted build, build incrementally on the published
 dataset, or start afresh; and with it what is kept, what is carried over and what is redone.
 
-`plan_start` is a pure function of what this run asks (`Request`) and what was read from disk
-before (`Interrupted`: the work an interrupted build left; `Published`: the dataset at OUTPUT and
-its record), so every case is tested directly (tests/test_start.py). `batchctl.prepare`
-reads those facts and sets the work folder up as the returned `Start` says.
+`plan_resume` and `plan_start` are pure functions of what this run asks (`Request`) and what was
+read from disk before (`Interrupted`: the work an interrupted build left; `Published`: the dataset
+at OUTPUT and its record), so every case is tested directly (tests/test_start.py). The builder
+asks `plan_resume` first, which needs no published facts, and reads those only when no resume is
+made; `batchctl.prepare` reads the facts and sets the work folder up as the `Start` says.
 
 Whether OUTPUT is already up to date is decided before (a fingerprint: `batchctl.build`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -121,24 +122,24 @@ class Start:
         return self.kept.written()
 
 
-def plan_start(request: Request, interrupted: Interrupted | None, published: Callable[[], Published]) -> Start:
-    """Resume the interrupted build of the same options, else build on the last complete build
-    (`published` reads it: only when no resume is made), else start afresh. Raises
-    `ResumeMismatchError` for an interrupted build of other options, `Untrusted` for work that
-    is not what batchctl wrote."""
+def plan_resume(request: Request, interrupted: Interrupted | None) -> Start | None:
+    """The start that resumes the interrupted build of the same options, or None when none is
+    made (`plan_start` then plans from the published dataset). Raises `ResumeMismatchError` for an
+    interrupted build of other options, `Untrusted` for work that is not what batchctl wrote."""
+    return _plan_resume(request, interrupted, [])
+
+
+def plan_start(request: Request, interrupted: Interrupted | None, published: Published) -> Start:
+    """Resume the interrupted build of the same options (as `plan_resume`: then `published` is not
+    looked at), else build on the last complete build, else start afresh."""
     notes: list[str] = []
-    if request.resume and interrupted is not None:
-        try:
-            resumed = _resume_interrupted(request, interrupted, notes)
-        except Untrusted as exc:
-            raise untrusted_work(request.work_url, exc) from None
-        if resumed is not None:
-            return resumed
-    facts = published()
-    found = _incremental_plan(request, facts, notes)
+    resumed = _plan_resume(request, interrupted, notes)
+    if resumed is not None:
+        return resumed
+    found = _incremental_plan(request, published, notes)
     if found is not None:
         plan, record = found
-        seed, state = _seed(request, plan, record, facts)
+        seed, state = _seed(request, plan, record, published)
         kept = resolve(seed.lines, request.batch_size)  # every kept shard is there: it was just put there
         started = _resumed(request, state, kept, (plan, record), None, notes)
         if started is not None:
@@ -153,6 +154,15 @@ def untrusted_work(work_url: str, why: Untrusted) -> Untrusted:
         f"the interrupted build's work in {work_url} is not what batchctl wrote ({why}); "
         "rerun with --no-resume to start over"
     )
+
+
+def _plan_resume(request: Request, interrupted: Interrupted | None, notes: list[str]) -> Start | None:
+    if not request.resume or interrupted is None:
+        return None
+    try:
+        return _resume_interrupted(request, interrupted, notes)
+    except Untrusted as exc:
+        raise untrusted_work(request.work_url, exc) from None
 
 
 def _resume_interrupted(request: Request, interrupted: Interrupted, notes: list[str]) -> Start | None:

@@ -210,7 +210,8 @@ class Workdir(ABC):
     @abstractmethod
     def recover(self, published_id: str | None) -> str | None:
         """Finish or undo a publish a killed run left half done; `published_id` is the build_id
-        of the complete dataset at OUTPUT (None: none there). Returns a line when it finished one."""
+        of the complete dataset at OUTPUT (None: none there). Returns None when there was no
+        publish to recover, a line when it finished one, "" when it undid one."""
 
 
 def workdir(paths: BuildPaths) -> Workdir:
@@ -359,7 +360,7 @@ class LocalWorkdir(Workdir):
             else:
                 self._undo_publish()
         if not finished:
-            return None
+            return ""
         self.discard()
         return "finished publishing the last build, which was stopped just after its dataset was in place"
 
@@ -482,7 +483,7 @@ class RemoteWorkdir(Workdir):
             elif self.fs.exists(marker):
                 self.fs.rm(marker)
         if not finished:
-            return None
+            return ""
         self.discard()
         return "finished publishing the last build, which was stopped just after its dataset was complete"
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -311,9 +311,10 @@ def _write_ragged_shard(
     _write_whole_shard(files, offsets, layout, shard_index, np.concatenate(bounds) if bounds else np.empty((0, 2)))
 
 
-def remove_shards_from(files: DatasetFiles, arrays: Mapping[str, ArrayMeta], first: int) -> None:
-    """Delete every shard file numbered `first` or more (resuming drops what the journal does not
-    vouch for): what lies under `NAME/c/` (the default chunk key encoding) named by a number."""
+def remove_shards_from(files: DatasetFiles, arrays: Collection[str], first: int) -> None:
+    """Delete every shard file numbered `first` or more of the named `arrays` (resuming drops what
+    the journal does not vouch for): what lies under `NAME/c/` (the default chunk key encoding)
+    named by a number."""
     for name in arrays:
         folder = f"{name}/c"
         files.remove([f"{folder}/{n}" for n in files.listdir(folder) if n.isdigit() and int(n) >= first])
