@@ -38,6 +38,11 @@ def journal_lines(out: Path) -> list[dict]:
         return []
 
 
+def journal_batches(out: Path) -> int:
+    """Batches journaled so far (a half-filled one written again once full counts once)."""
+    return len({line["batch"] for line in journal_lines(out) if "batch" in line})
+
+
 def journal_shards(out: Path) -> int:
     """Shards finished (indexed) and journaled so far."""
     return sum("shard_done" in line for line in journal_lines(out))
@@ -261,14 +266,18 @@ STREAM = ["--preprocess", f"{PLUGINS}:slow_image", "--batch-size", "4", "--shard
 
 def test_graceful_interrupts_keep_every_sample_the_build_counted(image_folder: Path, tmp_path: Path) -> None:
     """Interrupted at random moments and resumed until done: no file is ever preprocessed twice
-    (half-filled batches and open shards are kept), and the result holds every input once."""
+    (half-filled batches and open shards are kept), and the result holds every input once. Each
+    run is stopped at a random moment after its journal grew (the event, not a time since start:
+    on any machine every run makes progress, and files sleep, so none runs to the end at once)."""
     rng = random.Random(20261204)
     out, report = tmp_path / "data.zarr", tmp_path / "r.json"
     processed, runs = 0, 0
     while runs < 12:
         runs += 1
-        proc = start_cli("build", image_folder, "-o", out, *STREAM, "--option", "delay=0.1", "--report", report)
-        time.sleep(rng.uniform(1.0, 2.2))
+        before = journal_batches(out)
+        proc = start_cli("build", image_folder, "-o", out, *STREAM, "--option", "delay=0.2", "--report", report)
+        wait_for(lambda: journal_batches(out) > before or proc.poll() is not None)  # noqa: B023 - waited on here
+        time.sleep(rng.uniform(0.0, 0.5))
         kill_group(proc, rng.choice([signal.SIGINT, signal.SIGTERM]))
         proc.communicate(timeout=30)
         assert proc.returncode in (0, 130, 143)
@@ -278,7 +287,7 @@ def test_graceful_interrupts_keep_every_sample_the_build_counted(image_folder: P
             break
     assert runs > 2  # it was interrupted more than once
     if not out.exists():
-        result = run_cli("build", image_folder, "-o", out, *STREAM, "--option", "delay=0.1", "--report", report)
+        result = run_cli("build", image_folder, "-o", out, *STREAM, "--option", "delay=0.2", "--report", report)
         assert result.returncode == 0, result.stderr
         processed += json.loads(report.read_text())["processed"]
     assert processed <= 60  # every sample the build counted was kept: nothing done again
