@@ -40,10 +40,10 @@ from batchctl.run.processes import (
 from batchctl.run.signals import Signalled, check_signalled, published, signal_handled, signalled_in
 from batchctl.run.staging import BuildPaths
 from batchctl.run.tally import Tally
-from batchctl.run.writeplan import Carry, CollatorConfig
+from batchctl.run.writeplan import Carry, CollatorConfig, Outcome
 from batchctl.store import metadata as meta, storage
 from batchctl.store.digest import hashes_by_key
-from batchctl.store.journal import BatchLine, Untrusted, resolve as resolve_journal
+from batchctl.store.journal import Untrusted
 from batchctl.store.storage import SourceRoot
 
 __all__ = ["BuildKwargs", "BuildOptions", "build"]
@@ -165,14 +165,14 @@ class _Builder:
         split = any(task.part for task in tasks)
         self.progress.start(len(tasks), len(start.kept.batches), split, self.report.carried_samples)
         if self.options.engine == "dask":
-            finished = self._run_dask(discovery, start, tasks)
+            outcome = self._run_dask(discovery, start, tasks)
         else:
-            finished = self._run_local(discovery, start, tasks)
+            outcome = self._run_local(discovery, start, tasks)
         self.progress.close()
-        if finished.samples == 0:
+        if outcome.finished.samples == 0:
             raise BuildFailed(f"no samples were produced: all {len(discovery.items)} files were skipped", self.report)
         self.tally.check_mostly_skipped()
-        return self._complete(discovery, fingerprint, finished)
+        return self._complete(discovery, fingerprint, outcome)
 
     def _start(self, discovery: Discovery, output: Output) -> Start:
         """Plan where this build starts from what is on disk, and set the work folder up for it."""
@@ -239,7 +239,7 @@ class _Builder:
             return None
         return Carry(seeded.carry_from, dict(self.options.storage_options), start.carry_shard_rows, list(start.carry))
 
-    def _run_local(self, discovery: Discovery, start: Start, tasks: list[Task]) -> Finished:
+    def _run_local(self, discovery: Discovery, start: Start, tasks: list[Task]) -> Outcome:
         cores = default_workers()
         if self.options.workers > cores:  # as PyTorch's DataLoader warns: said once, the number kept
             self.progress.info(
@@ -252,9 +252,8 @@ class _Builder:
             SourceRoot(self.source, self.options.storage_options),
             self.options.workers,
             self.options.timeout,
-            paths=self.paths,
             collator=CollatorConfig(
-                paths=self.paths,
+                work=self.work,
                 batch_size=self.options.batch_size,
                 shard_batches=self.options.shard_batches,
                 compression=self.options.compression,
@@ -266,9 +265,9 @@ class _Builder:
         )
         with semaphores_named_after(os.getpid()):  # what a SIGKILL of the whole group leaves, a later build sweeps
             pipeline = Pipeline(config, self.progress, self.tally)
-            finished = pipeline.run(tasks)
-        self._time_stages(pipeline, finished)
-        return finished
+            outcome = pipeline.run(tasks)
+        self._time_stages(pipeline, outcome.finished)
+        return outcome
 
     def _time_stages(self, pipeline: Pipeline, finished: Finished) -> None:
         """Where a local build's time went, for the report (`timings`)."""
@@ -285,11 +284,11 @@ class _Builder:
         for name, seconds in timings.items():
             timings[name] = round(seconds, 3)
 
-    def _run_dask(self, discovery: Discovery, start: Start, tasks: list[Task]) -> Finished:
+    def _run_dask(self, discovery: Discovery, start: Start, tasks: list[Task]) -> Outcome:
         from batchctl.run.dask_engine import DaskJob, DaskRun
 
         job = DaskJob(
-            paths=self.paths,
+            work=self.work,
             source=SourceRoot(self.source, self.options.storage_options),
             preprocessor=self.preprocessor,
             pp_options=self.pp_options,
@@ -305,26 +304,28 @@ class _Builder:
             base=start.kept.done_shards,
             kept_groups=start.kept.groups,
             carry=self._carry(start),
+            stamps={item.relpath: item for item in discovery.items},
         )
         run = DaskRun(job)
-        finished = run.run(tasks)
+        outcome = run.run(tasks)
         self.report.workers_seen = sorted(run.workers_seen)
-        return finished
+        return outcome
 
-    def _complete(self, discovery: Discovery, fingerprint: str, finished: Finished) -> BuildReport:
+    def _complete(self, discovery: Discovery, fingerprint: str, outcome: Outcome) -> BuildReport:
         check_signalled()
         retry = {error.source for error in self.report.errors if error.retry}
         if retry:  # files lost with their worker: the next run must not find this dataset up to date
             fingerprint = discovery.fingerprint([self.spec, discovery.classes], leave_out=retry, digests=self.digests)
-        origin = self._origin(discovery)
-        journal = resolve_journal(self.work.read_journal(self.options.batch_size), self.options.batch_size)
-        batches = journal.batches if self.options.engine == "local" else self._batches_from_columns(discovery)
-        record = record_of(origin, batches, finished, discovery.items, self.report.errors, self.paths, self.digests)
+        origin, finished, journal = self._origin(discovery), outcome.finished, outcome.journal
+        batches = journal.batches
+        arrays = self.paths.staging_files.arrays()  # as the engine left them
+        width = arrays[meta.SOURCE].shape[1]
+        record = record_of(origin, batches, finished, discovery.items, self.report.errors, width, self.digests)
         notes = self.preprocessor.describe(self.pp_options) if self.preprocessor.describe else {}
         attrs = dataset_attrs(origin, self.report.errors, finished)
-        known = hashes_by_key(self.paths.staging_files.arrays(), journal.sha256)
+        known = hashes_by_key(arrays, journal.sha256)
         publishing = time.monotonic()
-        self.report.digest = publish(self.work, self.paths, attrs, record, notes, fingerprint, known)
+        self.report.digest = publish(self.work, self.paths, attrs, record, notes, fingerprint, known, arrays)
         published(True)  # from here a stop signal changes nothing: the dataset is complete
         self.report.timings["publish_s"] = round(time.monotonic() - publishing, 3)
         for warning in self.work.warnings:
@@ -334,14 +335,6 @@ class _Builder:
         self.report.shards = finished.shards
         self.report.bytes = storage.tree_bytes(self.output, self.options.storage_options)
         return self._end("complete")
-
-    def _batches_from_columns(self, discovery: Discovery) -> list[BatchLine]:
-        """A Dask build's batches, for its record: the client moved its rows about, so they are
-        read from its `source` columns."""
-        from batchctl.run.dask_engine import batches_from_columns
-
-        stamps = {item.relpath: item for item in discovery.items}
-        return batches_from_columns(self.paths, self.options.batch_size, stamps)
 
     def _origin(self, discovery: Discovery) -> Origin:
         return Origin(

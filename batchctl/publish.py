@@ -18,6 +18,7 @@ from batchctl.store import metadata as meta
 from batchctl.store.digest import content_digest
 from batchctl.store.journal import BatchLine
 from batchctl.store.record import Record, Skipped, record_bytes
+from batchctl.store.zarrmeta import ArrayMeta
 from batchctl.version import __version__
 
 
@@ -64,7 +65,7 @@ def record_of(
     finished: Finished,
     items: Sequence[WorkItem],
     errors: Sequence[FileError],
-    paths: BuildPaths,
+    source_width: int,
     digests: Mapping[str, str],
 ) -> Record:
     """The record of the dataset being published: its batches (every row's file) and the files
@@ -82,7 +83,7 @@ def record_of(
         classes=origin.classes,
         batch_size=origin.batch_size,
         shard_batches=finished.shard_batches,
-        source_width=paths.staging_files.arrays()[meta.SOURCE].shape[1],
+        source_width=source_width,
         checksum=origin.checksum,
         batches=tuple(batches),  # written without their chunks' places
         skipped=skipped,
@@ -98,13 +99,15 @@ def publish(
     notes: meta.ArrayNotes,
     fingerprint: str,
     known: Mapping[str, str],
+    arrays: Mapping[str, ArrayMeta],
 ) -> str:
     """Give the staging dataset its final array documents and its digest, then mark it complete
     (its last write) and move it, its record and its build info into place. `notes`: the
     preprocessor's words on its arrays; `fingerprint`: what a rerun finds it up to date by;
-    `known`: the shard files' hashes the writers took (the others are read). Returns the digest."""
+    `known`: the shard files' hashes the writers took (the others are read); `arrays`: the staging
+    arrays' documents as the engine left them. Returns the digest."""
     files = paths.staging_files
-    arrays = meta.describe_arrays(files, attrs.classes, notes)
+    arrays = meta.describe_arrays(files, arrays, attrs.classes, notes)
     attrs.digest, shards = content_digest(files, arrays, attrs, known)
     raw = record_bytes(replace(record, build_id=attrs.digest))
     info = meta.BuildInfo(

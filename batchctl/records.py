@@ -126,6 +126,14 @@ class BatchWritten:
 
 
 @dataclass(frozen=True)
+class JournalLines:
+    """Lines the collator appended to the journal (`batchctl.store.journal.Line`s: this module
+    imports no other): the parent folds them into what the build made, never reading it back."""
+
+    lines: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
 class Rejected:
     source: str
     error: str
@@ -154,7 +162,7 @@ class Crashed:
     message: str
 
 
-Event = BatchWritten | Rejected | Finished | Stopped | Crashed
+Event = BatchWritten | JournalLines | Rejected | Finished | Stopped | Crashed
 
 
 @dataclass(frozen=True)

@@ -232,3 +232,21 @@ def test_ragged_fields_on_the_cluster_are_the_local_build(tmp_path: Path, cluste
     )
     assert result.returncode == 0 and "added" in result.stderr, result.stderr
     assert_dataset_is_the_folder(dask, folder)
+
+
+def test_a_dask_build_of_only_bad_files_names_each_and_says_so_once(tmp_path: Path) -> None:
+    """No file preprocesses: the engine says so without starting a cluster, each file is skipped
+    in one line and counted, and the build's one message ends it (exit 1, nothing published)."""
+    src, out, report = tmp_path / "src", tmp_path / "o.zarr", tmp_path / "r.json"
+    (src / "cat").mkdir(parents=True)
+    for i in range(3):
+        (src / "cat" / f"bad{i}.png").write_bytes(b"not a png")
+    result = run_cli("build", src, "-o", out, "--engine", "dask", "--report", report)
+    assert result.returncode == 1, result.stderr
+    assert sorted(line.split(":")[0] for line in result.stderr.splitlines() if line.startswith("skipped cat/")) == [
+        f"skipped cat/bad{i}.png" for i in range(3)
+    ]
+    assert result.stderr.count("no samples were produced: all 3 files were skipped") == 1, result.stderr
+    assert "Traceback" not in result.stderr and not out.exists()
+    data = json.loads(report.read_text())
+    assert data["status"] == "failed" and len(data["errors"]) == 3

@@ -35,6 +35,7 @@ from batchctl.records import (
     End,
     Event,
     Finished,
+    JournalLines,
     Lost,
     PathKey,
     Rejected,
@@ -44,7 +45,6 @@ from batchctl.records import (
     TaskOutput,
     describe_error,
 )
-from batchctl.run import staging
 from batchctl.run.mpinternals import queue_reader
 from batchctl.run.processes import init_child
 from batchctl.run.reorder import Reorder
@@ -96,9 +96,10 @@ class Collator:
     def __init__(self, config: CollatorConfig, events: Queue[Event]) -> None:
         self.config = config
         self.events = events
-        self.files = config.paths.staging_files
-        self.local_root = None if config.paths.remote else config.paths.staging
-        self.work = staging.workdir(config.paths)
+        self.work = config.work
+        self.paths = config.work.paths
+        self.files = self.paths.staging_files
+        self.local_root = None if self.paths.remote else self.paths.staging
         self.arrays = self.files.arrays()
         self.schema: metadata.Schema | None = None
         self.layout: metadata.Layout | None = None
@@ -373,7 +374,7 @@ class Collator:
         """fsync the open shard files, then journal the batches they hold (local OUTPUT; an
         object store's shards are journaled whole when they are sent)."""
         self.last_sync = time.monotonic()
-        if self.config.paths.remote:
+        if self.paths.remote:
             return
         self._settle()
         started = time.monotonic()
@@ -397,6 +398,8 @@ class Collator:
     def _journal(self) -> None:
         """Append the lines of what is now durable to the journal."""
         self.work.append_journal(self.unjournaled)
+        if self.unjournaled:
+            self.events.put(JournalLines(tuple(self.unjournaled)))
         self.unjournaled = []
         self.last_sync = time.monotonic()
 
@@ -581,7 +584,7 @@ def run_collator(
                 break
             placement.take(message)
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails the build
-        events.put(Crashed(f"the collator failed writing {config.paths.url}: {describe_error(exc)}"))
+        events.put(Crashed(f"the collator failed writing {config.work.paths.url}: {describe_error(exc)}"))
         events.close()
         events.join_thread()
         sys.exit(1)

@@ -14,13 +14,13 @@ from __future__ import annotations
 import io
 import os
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import zarr
 
-from batchctl.errors import PipelineError, UsageError
+from batchctl.errors import UsageError
 from batchctl.preprocess import Preprocessor, resolve
 from batchctl.progress import Progress
 from batchctl.records import Finished, Task, TaskResult, WorkItem
@@ -28,9 +28,9 @@ from batchctl.run import staging
 from batchctl.run.rows import check_schema, columns_schema, preprocess_task, provenance_columns, runs_of
 from batchctl.run.staging import BuildPaths
 from batchctl.run.tally import Tally
-from batchctl.run.writeplan import Carry
+from batchctl.run.writeplan import Carry, Outcome
 from batchctl.store import chunkread, format as fmt, metadata, ragged, storage, zarrmeta
-from batchctl.store.journal import BatchLine, FileRun, GroupLine
+from batchctl.store.journal import BatchLine, FileRun, GroupLine, Journaled
 from batchctl.store.storage import SourceRoot
 
 GROUPS = 64  # groups a build is cut into at least (each worker thread of a 16-thread cluster gets ~4)
@@ -194,9 +194,9 @@ class DaskJob:
     """What a build hands the Dask engine: plain settings, what is already there, and where to
     report. `base` shards are in the staging dataset already (kept whole from the last build);
     `kept_groups` are the journal lines of groups an interrupted run finished; `carry` the rows
-    of unchanged files to copy over from the last build."""
+    of unchanged files to copy over from the last build; `stamps` every file's, for the record."""
 
-    paths: BuildPaths
+    work: staging.Workdir  # the build's work folder (its one owner: the builder made it)
     source: SourceRoot
     preprocessor: Preprocessor
     pp_options: Mapping[str, Any]
@@ -212,6 +212,7 @@ class DaskJob:
     base: int = 0
     kept_groups: tuple[GroupLine, ...] = ()
     carry: Carry | None = None
+    stamps: Mapping[str, WorkItem] = field(default_factory=dict)
 
 
 class DaskRun:
@@ -220,25 +221,32 @@ class DaskRun:
 
     def __init__(self, job: DaskJob) -> None:
         self.job = job
-        self.paths = job.paths
-        self.files = job.paths.staging_files
+        self.work = job.work
+        self.paths = job.work.paths
+        self.files = self.paths.staging_files
         self.workers_seen: set[str] = set()
-        self.work = staging.workdir(self.paths)
 
-    def run(self, tasks: list[Task]) -> Finished:
+    def run(self, tasks: list[Task]) -> Outcome:
+        """Build the staging dataset; what was made: its `Finished` and its batches (every row's
+        file, for the record: read from its `source` columns, as the client moved rows about)."""
         arrays = self.files.arrays()
         if arrays:  # resumed, or seeded from the last build: the arrays say what they hold
             schema = metadata.schema_of_arrays(arrays)
             rows: dict[str, np.ndarray] = {}
         else:
-            schema, rows = self._probe_schema(tasks)
+            probed = self._probe_schema(tasks)
+            if probed is None:
+                return Outcome(Finished(0, 0, 0, {}), Journaled())
+            schema, rows = probed
         client, cluster = self._client()
         try:
-            return self._run(tasks, schema, rows, client)
+            finished = self._run(tasks, schema, rows, client)
         finally:
             client.close()
             if cluster is not None:
                 cluster.close()
+        batches = batches_from_columns(self.paths, self.job.batch_size, self.job.stamps)
+        return Outcome(finished, Journaled(tuple(batches)))
 
     def _shard_batches(self, tasks: list[Task], schema: dict[str, metadata.FieldSpec]) -> int:
         """The usual ~128 MiB shards, but small enough for about GROUPS groups: a group is one
@@ -325,16 +333,23 @@ class DaskRun:
         self.work.append_group(line)
         return line
 
-    def _probe_schema(self, tasks: list[Task]) -> tuple[dict[str, metadata.FieldSpec], dict[str, np.ndarray]]:
+    def _probe_schema(self, tasks: list[Task]) -> tuple[dict[str, metadata.FieldSpec], dict[str, np.ndarray]] | None:
         """The schema and rows of the first file that preprocesses, here in the client (one file's
-        work; `auto` compression measures the rows)."""
+        work; `auto` compression measures the rows). None when no file does: each was tallied."""
+        results = []
         for task in tasks:
-            _, output = preprocess_task(task, self.job.preprocessor, self.job.pp_options, self.job.source)
+            result, output = preprocess_task(task, self.job.preprocessor, self.job.pp_options, self.job.source)
             if output is not None:
                 found = columns_schema(output.columns)
-                if check_schema(found, found) is None:
+                reason = check_schema(found, found)
+                if reason is None:
                     return found, output.columns
-        raise PipelineError(f"no samples were produced: all {len(tasks)} files were skipped")
+                result = TaskResult(task, 0, reason)
+            results.append(result)
+        for result in results:
+            self.job.tally.result(result)
+            self.job.progress.files_done()
+        return None
 
     def _client(self) -> Any:
         try:

@@ -31,6 +31,7 @@ from batchctl.records import (
     End,
     Event,
     Finished,
+    JournalLines,
     Lost,
     Rejected,
     Stop,
@@ -45,15 +46,14 @@ from batchctl.run.processes import (
     mp_context,
     signals_deferred,
     signals_ignored,
-    start_forkserver,
 )
 from batchctl.run.reorder import WINDOW_BYTES
 from batchctl.run.ring import SampleRing
 from batchctl.run.signals import check_signalled
-from batchctl.run.staging import BuildPaths
 from batchctl.run.tally import Tally
 from batchctl.run.workers import BoundedFeed, WorkerSlots, chunked, run_chunk, start_pool
-from batchctl.run.writeplan import CollatorConfig
+from batchctl.run.writeplan import CollatorConfig, Outcome
+from batchctl.store.journal import Line, resolve
 from batchctl.store.storage import SourceRoot
 
 HEALTH_CHECK_S = 1.0  # how long a blocking wait lasts before the children are checked on
@@ -77,7 +77,6 @@ class PipelineConfig:
     workers: int
     timeout: float | None
     collator: CollatorConfig
-    paths: BuildPaths
 
 
 class Pipeline:
@@ -104,6 +103,7 @@ class Pipeline:
         self.pending: dict[int, Task] = {}
         self.chunk_of: dict[int, list[Task]] = {}
         self.position_of: dict[int, int] = {}  # task index -> its chunk's place in the dispatch order
+        self.journaled: list[Line] = []  # what the collator journaled, as it says (JournalLines)
         self.seen_workers: dict[int, Any] = {}
         self.timed_out: set[int] = set()
         self.lost_workers = 0
@@ -112,19 +112,22 @@ class Pipeline:
         self.dispatching: float | None = None
         self.last_result: float | None = None
 
-    def run(self, tasks: list[Task]) -> Finished:
+    def run(self, tasks: list[Task]) -> Outcome:
+        """Preprocess `tasks` into the staging dataset; what was made: the collator's `Finished`
+        and the journal it continued (the parent reads none of it back)."""
         try:
-            return self._run(tasks)
+            finished = self._run(tasks)
         except BaseException:
             self._abort()
             raise
         finally:  # every child is gone by now
             if self.ring is not None:
                 self.ring.close()
+        kept = self.config.collator.resume.lines()  # what the journal held when the collator started
+        return Outcome(finished, resolve([*kept, *self.journaled], self.config.collator.batch_size))
 
     def _run(self, tasks: list[Task]) -> Finished:
-        cfg = self.config
-        start_forkserver()
+        cfg = self.config  # the fork server runs: the builder started it (`start_forkserver`)
         with signals_deferred():
             self.collator = self.ctx.Process(
                 target=_collator_main,
@@ -254,6 +257,8 @@ class Pipeline:
                 return None
             if isinstance(event, BatchWritten):
                 self.progress.batches_written(1, event.rows)
+            elif isinstance(event, JournalLines):
+                self.journaled.extend(event.lines)
             elif isinstance(event, Rejected):
                 self.tally.rejected(event)
             elif isinstance(event, Crashed):

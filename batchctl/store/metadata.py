@@ -305,13 +305,15 @@ def dimension_names(name: str, ndim: int) -> list[str]:
     return [f"{name}_dim{i}" for i in range(ndim)]
 
 
-def describe_arrays(files: DatasetFiles, classes: list[str] | None, notes: ArrayNotes) -> dict[str, ArrayMeta]:
-    """Give each array what a reader that opens it alone needs (tensorstore, zarrs, dask): the
-    class names on `label`, the encoding of `source`, and the preprocessor's notes (an image's
-    `height`, `width`, `channel` dimensions and its layout) in its own `zarr.json`. Returns the
-    arrays as written."""
+def describe_arrays(
+    files: DatasetFiles, arrays: Mapping[str, ArrayMeta], classes: list[str] | None, notes: ArrayNotes
+) -> dict[str, ArrayMeta]:
+    """Give each array (`arrays`: the documents as they are) what a reader that opens it alone
+    needs (tensorstore, zarrs, dask): the class names on `label`, the encoding of `source`, and
+    the preprocessor's notes (an image's `height`, `width`, `channel` dimensions and its layout)
+    in its own `zarr.json`. Returns the arrays as written."""
     described = {}
-    for name, meta in files.arrays().items():
+    for name, meta in arrays.items():
         field_name, part = ragged_part(name)
         note = notes.get(field_name, {}) if part != OFFSETS_SUFFIX else {}
         named = list(note.get("dimension_names") or ())
