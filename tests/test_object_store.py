@@ -709,6 +709,19 @@ def test_ragged_fields_and_encoded_images_on_s3(bucket: str, s3_endpoint: str, t
     assert result.returncode == 0 and "added" in result.stderr, result.stderr
     assert_dataset_is_the_folder(url, folder)
 
+    ds = batchctl.open(url)  # each batch's values: one ranged GET per field, its shard's index once
+    with requests_made(s3_endpoint) as made:
+        rows = [ds.read_batch(i, fields=["tokens"])["tokens"] for i in range(len(ds))]
+    values_gets = [r for r in data_gets(made) if "/tokens.values/" in r["url"]]
+    shards = -(-len(ds) // 2)
+    assert len(values_gets) == len(ds) + shards and all(range_bytes(r) for r in values_gets)
+    fs = _fs(s3_endpoint)  # a values shard gone: an error naming it, never rows of fill values
+    gone = f"{bucket}/ragged.zarr/tokens.values/c/1/0"
+    assert fs.exists(gone) and sum(len(r) for r in rows) > 0
+    fs.rm(gone)
+    with pytest.raises(batchctl.FormatError, match=r"tokens\.values/c/1/0 is missing"):
+        batchctl.open(url).read_batch(2, fields=["tokens"])
+
     photos = tmp_path / "photos"
     make_image_folder(photos, 12, sides=(80, 160))
     images = f"s3://{bucket}/jpeg.zarr"

@@ -22,7 +22,7 @@ from batchctl.report import size_text
 from batchctl.store import chunkread, codec, format as fmt, metadata, ragged as ragged_rows, storage, zarrmeta
 from batchctl.store.cache import ChunkCache
 from batchctl.store.metadata import values_array
-from batchctl.store.remote import RETRY_FOR_S, RemoteChunkReader, RemoteStore
+from batchctl.store.remote import RETRY_FOR_S, RemoteChunkReader, RemoteStore, RemoteValuesReader
 
 __all__ = ["Batch", "Dataset", "open"]
 
@@ -76,11 +76,14 @@ class Dataset:
         self._values = {name: self._values_reader(name) for name in self.ragged}
         self._present: set[tuple[str, int]] = set()
 
-    def _values_reader(self, name: str) -> chunkread.ValuesReader | None:
-        """A local ragged field's values are read by batchctl; anything else through zarr."""
+    def _values_reader(self, name: str) -> chunkread.BatchValues | None:
+        """A ragged field's values are read by batchctl, from a file or a URL; a layout batchctl
+        does not write through zarr."""
+        meta = zarrmeta.ArrayMeta.of_zarr(self.arrays[values_array(name)])
         if self._root is None:
-            return None
-        return chunkread.ValuesReader.for_array(self._root, zarrmeta.ArrayMeta.of_zarr(self.arrays[values_array(name)]))
+            assert self._store is not None
+            return RemoteValuesReader.for_array(self._store, meta)
+        return chunkread.ValuesReader.for_array(self._root, meta)
 
     def _remote_store(self, cache_dir: Any, cache_limit: int | str | None, retry_for: float) -> RemoteStore:
         """The objects of this version; cached only when complete (a partial one still grows)."""

@@ -11,7 +11,7 @@ import stat
 import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import numpy as np
 
@@ -290,9 +290,16 @@ class ValuesReader:
         return self.encoder.decode(data, place, where)
 
 
-def batch_values(reader: ValuesReader | None, arr: Any, batch: int, offsets: np.ndarray, where: str) -> np.ndarray:
-    """Batch `batch`'s values of a ragged field: by batchctl's own reader where it has one, else
-    through zarr (`arr`), as far as the batch's rows reach (their `offsets`)."""
+class BatchValues(Protocol):
+    """A ragged field's values, batch by batch (`ValuesReader`; `remote.RemoteValuesReader`)."""
+
+    def read(self, batch: int) -> np.ndarray: ...
+
+
+def batch_values(reader: BatchValues | None, arr: Any, batch: int, offsets: np.ndarray, where: str) -> np.ndarray:
+    """Batch `batch`'s values of a ragged field: by batchctl's own reader where it has one (a
+    layout batchctl writes), else through zarr (`arr`), as far as the batch's rows reach (their
+    `offsets`)."""
     if reader is not None:
         return reader.read(batch)
     end = int(offsets[:, 1].max()) if len(offsets) else 0

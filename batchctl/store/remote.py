@@ -24,10 +24,11 @@ import numpy as np
 
 from batchctl.errors import FormatError
 from batchctl.records import describe_error
-from batchctl.store import storage
+from batchctl.store import ragged, storage
 from batchctl.store.cache import ChunkCache
 from batchctl.store.chunkread import ChunkLayout, row_views
-from batchctl.store.codec import NO_CHUNK, own_codecs
+from batchctl.store.codec import NO_CHUNK, own_codecs, parse_shard_index
+from batchctl.store.journal import Chunk
 from batchctl.store.storage import StoreError
 from batchctl.store.zarrmeta import ArrayMeta
 
@@ -276,3 +277,58 @@ class RemoteChunkReader(ChunkLayout):
                 self._spans[shard] = data
                 while len(self._spans) > _SMALL_SHARDS_KEPT:
                     self._spans.popitem(last=False)
+
+
+class RemoteValuesReader:
+    """A ragged field's values (`F.values`, docs/format.md) of a dataset at a URL, batch by batch:
+    its shard's index fetched once, then the batch's chunks, which lie one after another, by one
+    ranged read, each chunk's checksum checked. A missing shard or chunk is an error naming it,
+    never the fill values a generic Zarr reader would give."""
+
+    def __init__(self, store: RemoteStore, arr: ArrayMeta) -> None:
+        self.store, self.arr = store, arr
+        self.encoder = ragged.ValuesEncoder(arr)
+        self.per_shard = int(arr.grid[0])  # batches
+        self.index_bytes = arr.chunks_per_shard * 16 + 4
+        self.indexes: dict[int, np.ndarray] = {}  # shard -> its index, kept once fetched
+
+    @classmethod
+    def for_array(cls, store: RemoteStore, arr: ArrayMeta) -> RemoteValuesReader | None:
+        return cls(store, arr) if ragged.is_values(arr) and ragged.own_layout(arr) else None
+
+    def _path(self, shard: int) -> str:
+        return f"{self.store.root}/{self.arr.shard_key(shard)}"
+
+    def read(self, batch: int) -> np.ndarray:
+        """Batch `batch`'s values, laid end to end (its last chunk's padding included)."""
+        shard = batch // self.per_shard
+        where = f"{self.store.url}: {self.arr.name} shard {shard}, batch {batch}"
+        index = self._index(shard, where)
+        slots = self.encoder.slots
+        place = ragged.batch_place(index[(batch % self.per_shard) * slots :][:slots], self.encoder, where)
+        if not place[1]:
+            return self.encoder.decode(b"", place, where)
+        span = Range(self._path(shard), place[0], place[0] + place[1], f"{self.arr.name}/{batch}")
+        decoded: list[np.ndarray] = []
+        self.store._checked(
+            span, self.store.fetch([span])[0], lambda data: decoded.append(self._decoded(data, place, where))
+        )
+        return decoded[-1]
+
+    def _decoded(self, data: bytes, place: Chunk, where: str) -> np.ndarray:
+        if len(data) != place[1]:
+            raise FormatError(f"{where}: the shard object is truncated")
+        return self.encoder.decode(data, place, where)
+
+    def _index(self, shard: int, where: str) -> np.ndarray:
+        """Shard `shard`'s index (checked against its crc32c), fetched once (threads may both)."""
+        index = self.indexes.get(shard)
+        if index is None:
+            span = Range(self._path(shard), -self.index_bytes, None, f"{self.arr.name}/index/{shard}")
+            found: list[np.ndarray] = []
+            positions = self.arr.chunks_per_shard
+            self.store._checked(
+                span, self.store.fetch([span])[0], lambda raw: found.append(parse_shard_index(raw, positions, where))
+            )
+            index = self.indexes[shard] = found[-1]
+        return index
