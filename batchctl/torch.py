@@ -14,7 +14,7 @@ import os
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from multiprocessing.sharedctypes import Array, RawValue
+from multiprocessing.sharedctypes import RawArray, RawValue
 from typing import Any
 
 import numpy as np
@@ -28,7 +28,7 @@ from batchctl.read.mixture import MixedLoader
 from batchctl.read.reader import Dataset
 from batchctl.read.views import FieldsOf, Subset
 from batchctl.run.mpinternals import pickled_for_a_child
-from batchctl.torch_ring import BatchRing, SlotBatch, slot_bytes
+from batchctl.torch_ring import BatchRing, SharedLock, SlotBatch, slot_bytes
 
 # torchdata 0.11's StatefulDataLoader calls a function torch 2.13 deprecates, on every iterator it
 # makes: a warning the user can do nothing about, in every run of a recipe (one message, no other)
@@ -183,7 +183,8 @@ class IterableBatches(IterableDataset[dict[str, Any]]):
         self._workers_said: Any = RawValue("q", 0)  # the partitions the workers' first pass fixed (0: none yet)
         # the DataLoader pass (see `_pass_key`) whose first worker to finish moved the epoch on, and from which:
         # a worker of that same pass starting later still takes its share of that epoch
-        self._advanced: Any = Array("q", [-1, -1, -1])
+        self._advanced: Any = RawArray("q", [-1, -1, -1])
+        self._advancing = SharedLock()  # held while `_advanced` is read or set
         self._pass_key: tuple[int, int] | None = None
         self._passes = 0  # passes begun in this process
         self._pass: _Pass | None = None
@@ -224,7 +225,7 @@ class IterableBatches(IterableDataset[dict[str, Any]]):
         if not pickled_for_a_child():  # a copy, not a worker being started: its own epoch
             state["_epoch"] = RawValue("q", self.epoch)
             state["_workers_said"] = RawValue("q", self._workers_said.value)
-            state["_advanced"] = Array("q", [-1, -1, -1])
+            state["_advanced"], state["_advancing"] = RawArray("q", [-1, -1, -1]), SharedLock()
             state["_ring"] = None  # (its slots are this process's workers'; a copy's batches go the usual way)
         return state
 
@@ -258,7 +259,7 @@ class IterableBatches(IterableDataset[dict[str, Any]]):
     def _epoch_of_this_pass(self) -> int:
         """The shared epoch, or the one a DataLoader worker of this same pass moved it on from
         (it handed out its share before this worker began: workers start when they are scheduled)."""
-        with self._advanced.get_lock():
+        with self._advancing.held():
             if self._pass_key is not None and tuple(self._advanced[:2]) == self._pass_key:
                 return int(self._advanced[2])
             return self.epoch
@@ -309,7 +310,7 @@ class IterableBatches(IterableDataset[dict[str, Any]]):
 
     def _next_epoch(self, current: _Pass) -> None:
         """This process's share of the epoch is handed out: its state is now the next epoch's start."""
-        with self._advanced.get_lock():
+        with self._advancing.held():
             if self.epoch == current.epoch:  # the first of this pass's workers to finish
                 self._epoch.value = current.epoch + 1
                 if self._pass_key is not None:

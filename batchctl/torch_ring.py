@@ -19,12 +19,15 @@ ends) of `SLOTS` slots; only the pages of slots in use are ever touched.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import mmap
 import os
+import tempfile
+import threading
 import uuid
 import weakref
-from collections.abc import Mapping
-from multiprocessing.sharedctypes import Array
+from collections.abc import Iterator, Mapping
+from multiprocessing.sharedctypes import RawArray
 from typing import Any, cast
 
 import numpy as np
@@ -41,6 +44,41 @@ _RINGS: dict[str, BatchRing] = {}  # the rings made in this process, for `SlotBa
 _WORKER_RINGS: dict[str, BatchRing] = {}  # the rings this process made batches in (a DataLoader worker's)
 
 
+class SharedLock:
+    """A lock held by one of a process and its DataLoader workers at a time, however they were
+    started (fork, spawn: macOS's default, forkserver): a POSIX record lock on an unlinked
+    temporary file, whose descriptor travels to a spawned worker as it starts, and a thread lock
+    for the threads of one process (record locks are per process). Not a multiprocessing lock: one
+    made in the default (fork) context refuses to go to a spawned worker, and one of another
+    context is a named semaphore that starts a resource tracker in the training process."""
+
+    def __init__(self) -> None:
+        with tempfile.TemporaryFile() as file:
+            self._fd = os.dup(file.fileno())
+        self._threads = threading.Lock()
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        with self._threads:
+            fcntl.lockf(self._fd, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.lockf(self._fd, fcntl.LOCK_UN)
+
+    def __getstate__(self) -> dict[str, Any]:
+        if not pickled_for_a_child():
+            raise TypeError("a SharedLock goes only to a process being started")
+        return {"fd": dup_fd_for_child(self._fd)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._fd, self._threads = state["fd"].detach(), threading.Lock()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(OSError, AttributeError):
+            os.close(self._fd)
+
+
 class BatchRing:
     """Slots of `slot_bytes` shared by the process that made the ring and its DataLoader workers."""
 
@@ -48,7 +86,8 @@ class BatchRing:
         self.token = uuid.uuid4().hex
         self.slot_bytes = slot_bytes  # (`batch_layout`'s sizes: already a multiple of its alignment)
         self.slots = SLOTS if slots is None else slots
-        self.busy: Any = Array("b", self.slots)  # 1: the slot's batch is being made, in flight, or held
+        self.busy: Any = RawArray("b", self.slots)  # 1: the slot's batch is being made, in flight, or held
+        self.lock = SharedLock()  # taking a slot
         self._fd = os.memfd_create("batchctl-batches", os.MFD_CLOEXEC)
         os.ftruncate(self._fd, self.slots * self.slot_bytes)
         self._map: mmap.mmap | None = None
@@ -106,7 +145,7 @@ class BatchRing:
         return slot, owner
 
     def _take(self) -> int | None:
-        with self.busy.get_lock():
+        with self.lock.held():
             for slot in range(self.slots):
                 if not self.busy[slot]:
                     self.busy[slot] = 1
@@ -114,8 +153,7 @@ class BatchRing:
         return None
 
     def release(self, slot: int) -> None:
-        with self.busy.get_lock():
-            self.busy[slot] = 0
+        self.busy[slot] = 0  # (one byte: only a slot taken is let go, by the one process holding it)
 
     def _dropped(self, slot: int, sent: list[bool], pid: int) -> None:
         """This process let go of a batch it made in `slot`: free the slot unless it was sent

@@ -383,6 +383,30 @@ def _stateful_run(
     return got, None
 
 
+@pytest.mark.parametrize("context", ["spawn", "forkserver"])
+def test_dataloader_workers_started_by_spawn_or_forkserver_read_what_forked_ones_read(
+    numbered: Path, context: str
+) -> None:
+    """macOS starts DataLoader workers by spawn (and a user may ask for forkserver): the stream
+    goes to them pickled, its shared epoch, locks and batch ring with it, and two epochs read the
+    same batches, each row once, as with forked workers (a lock of the fork context refused to go)."""
+    pytest.importorskip("torch")
+    from torch.utils.data import DataLoader
+
+    from batchctl.torch import IterableBatches
+
+    def two_epochs(start: str) -> list[list[list[int]]]:
+        stream = IterableBatches(numbered, batch_size=6, mix=4, seed=5)
+        loader = DataLoader(stream, batch_size=None, num_workers=2, multiprocessing_context=start)
+        return [[ids(batch) for batch in loader] for _ in range(2)]
+
+    got, forked = two_epochs(context), two_epochs("fork")
+    assert got == forked and got[0] != got[1]
+    for epoch in got:
+        rows = [row for batch in epoch for row in batch]
+        assert len(rows) == len(set(rows)) > 0
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_stateful_dataloader_resumes_exactly(numbered: Path, workers: int) -> None:
     pytest.importorskip("torchdata")
