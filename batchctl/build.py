@@ -201,14 +201,13 @@ class _Builder:
             except Untrusted as exc:
                 raise untrusted_work(self.paths.workdir_url, exc) from None
         start = plan_resume(request, interrupted)
-        published = None
+        facts = None
         if start is None:  # the published dataset is read only when the interrupted build is not resumed
-            published = read_published(self.paths, output, keep_tail)
-            start, published = self._checked_start(request, interrupted, published)
+            start, facts = self._checked_start(request, interrupted, read_published(self.paths, output, keep_tail))
         for note in start.notes:
             self.progress.info(note)
         staging_attrs = dataset_attrs(self._origin(discovery), [])
-        prepare(start, request, self.paths, self.work, staging_attrs, interrupted, published)
+        prepare(start, request, self.paths, self.work, staging_attrs, interrupted, facts)
         for relpath, skipped in start.skipped.items():
             self.report.errors.append(FileError(relpath, skipped.reason, skipped.retry))
         if start.changes is not None:
@@ -218,19 +217,19 @@ class _Builder:
         return start
 
     def _checked_start(
-        self, request: Request, interrupted: Interrupted | None, published: Published
+        self, request: Request, interrupted: Interrupted | None, facts: Published
     ) -> tuple[Start, Published]:
         """The start `plan_start` gives, planned again when shards an incremental build would keep
         are damaged (`damaged_shards`): their files are preprocessed again, nothing unsound is
         linked into the new dataset or vouched for by its digest. Returns the facts it used."""
-        start = plan_start(request, interrupted, published)
+        start = plan_start(request, interrupted, facts)
         if start.seed is None:
-            return start, published
-        damaged = damaged_shards(self.paths, published, start.seed.kept_shards)
+            return start, facts
+        damaged = damaged_shards(self.paths, facts, start.seed.kept_shards)
         if not damaged:
-            return start, published
-        published = dataclasses.replace(published, damaged=damaged)
-        return plan_start(request, interrupted, published), published
+            return start, facts
+        facts = dataclasses.replace(facts, damaged=damaged)
+        return plan_start(request, interrupted, facts), facts
 
     def _carry(self, start: Start) -> Carry | None:
         """An incremental build's rows to carry over from the last build (None: not incremental)."""
