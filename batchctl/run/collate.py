@@ -51,7 +51,7 @@ from batchctl.run.reorder import Reorder
 from batchctl.run.ring import InRing, SampleRing, Sent
 from batchctl.run.rows import check_schema, columns_schema, provenance, runs_of
 from batchctl.run.writeplan import Carry, CollatorConfig
-from batchctl.store import chunkread, codec, format as fmt, metadata, ragged, shards, storage
+from batchctl.store import codec, format as fmt, metadata, ragged, shards, storage
 from batchctl.store.journal import BatchLine, Chunk, FileRun, Line, ShardDone
 from batchctl.store.shardhash import chunk_digest
 
@@ -248,10 +248,12 @@ class Collator:
         whole and in sample order once its last old shard is read. Ends early when `stopping`."""
         import zarr  # (only an incremental build carries rows: a fresh one never loads zarr)
 
+        from batchctl.store.rowread import RowReader  # (nor the URL readers and their cache)
+
         group = zarr.open_group(carry.url, mode="r", **storage.zarr_options(carry.url, carry.storage_options))
         assert self.schema is not None
         stored = set(metadata.array_names(self.schema))
-        old = chunkread.RowReader(carry.url, {n: a for n, a in group.arrays() if n in stored})
+        old = RowReader(carry.url, {n: a for n, a in group.arrays() if n in stored}, carry.storage_options)
         last_run = {run.key: i for i, run in enumerate(carry.runs)}
         pending: dict[PathKey, list[tuple[CarryRun, dict[str, np.ndarray]]]] = {}
         number = 0

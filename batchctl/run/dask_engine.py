@@ -29,8 +29,9 @@ from batchctl.run.rows import check_schema, columns_schema, preprocess_task, pro
 from batchctl.run.staging import BuildPaths
 from batchctl.run.tally import Tally
 from batchctl.run.writeplan import Carry, Outcome
-from batchctl.store import chunkread, format as fmt, metadata, ragged, storage, zarrmeta
+from batchctl.store import format as fmt, metadata, ragged, storage, zarrmeta
 from batchctl.store.journal import BatchLine, FileRun, GroupLine, Journaled
+from batchctl.store.rowread import RowReader
 from batchctl.store.storage import SourceRoot
 
 GROUPS = 64  # groups a build is cut into at least (each worker thread of a 16-thread cluster gets ~4)
@@ -316,7 +317,7 @@ class DaskRun:
         """The rows carried over from the last build, as one spill (group -1), journaled."""
         old = zarr.open_group(carry.url, mode="r", **storage.zarr_options(carry.url, carry.storage_options))
         stored = set(metadata.array_names(schema))
-        reader = chunkread.RowReader(carry.url, {n: a for n, a in old.arrays() if n in stored})
+        reader = RowReader(carry.url, {n: a for n, a in old.arrays() if n in stored}, carry.storage_options)
         pieces: dict[str, list[np.ndarray]] = {name: [] for name in schema}
         for run in carry.runs:
             start = run.shard * carry.shard_rows + run.start

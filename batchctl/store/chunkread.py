@@ -9,67 +9,20 @@ import mmap
 import os
 import stat
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol, cast
 
 import numpy as np
 
 from batchctl.errors import DatasetReplacedError, FormatError
-from batchctl.store import ragged, storage
+from batchctl.store import ragged
 from batchctl.store.codec import NO_CHUNK, own_codecs, parse_shard_index
 from batchctl.store.crc import crc32c
-from batchctl.store.metadata import offsets_array, values_array
 from batchctl.store.zarrmeta import ArrayMeta
 
 _SHARD_CACHE = 4
 _IOV_MAX = 1000  # buffers per preadv: Linux takes at most 1024
-
-
-class RowReader:
-    """Rows `start:stop` of the arrays of a dataset (an incremental build's carried rows): read
-    chunk by chunk straight from a local dataset's shard files (`ChunkReader`, several times
-    zarr-python's speed), through zarr otherwise (`arrays`: the arrays zarr-python opened)."""
-
-    def __init__(self, location: str, arrays: Mapping[str, Any]) -> None:
-        self.arrays = arrays
-        self.root = None if storage.is_url(location) else DatasetRoot(Path(location))
-        metas = {name: ArrayMeta.of_zarr(arr) for name, arr in arrays.items()}
-        self.readers = {
-            name: ChunkReader.for_array(self.root, meta) if self.root else None for name, meta in metas.items()
-        }
-        self.values = {
-            name: ValuesReader.for_array(self.root, meta) if self.root else None for name, meta in metas.items()
-        }
-
-    def ragged_rows(self, field: str, start: int, stop: int) -> np.ndarray:
-        """Rows `start:stop` of the ragged field `field` (an object array of arrays), read batch
-        by batch: each batch's offsets, then its values."""
-        offsets_name, values_name = offsets_array(field), values_array(field)
-        batch_size, total = int(self.arrays[offsets_name].chunks[0]), int(self.arrays[offsets_name].shape[0])
-        out = np.empty(stop - start, dtype=object)
-        for batch in range(start // batch_size, (stop - 1) // batch_size + 1):
-            first, last = batch * batch_size, min((batch + 1) * batch_size, total)
-            offsets = self.rows(offsets_name, first, last)
-            where = f"{values_name} batch {batch}"
-            values = batch_values(self.values[values_name], self.arrays[values_name], batch, offsets, where)
-            rows = ragged.rows_of(offsets, values, where)
-            lo, hi = max(start, first), min(stop, last)
-            out[lo - start : hi - start] = rows[lo - first : hi - first]
-        return out
-
-    def rows(self, name: str, start: int, stop: int) -> np.ndarray:
-        reader, arr = self.readers[name], self.arrays[name]
-        if reader is None:
-            return np.asarray(arr[start:stop])
-        size = reader.chunk_shape[0]
-        chunks = [reader.read(chunk) for chunk in range(start // size, (stop - 1) // size + 1)]
-        first = (start // size) * size
-        return np.concatenate(chunks)[start - first : stop - first]
-
-    def close(self) -> None:
-        if self.root is not None:
-            self.root.close()
 
 
 class DatasetRoot:
