@@ -728,3 +728,27 @@ def test_ragged_fields_and_encoded_images_on_s3(bucket: str, s3_endpoint: str, t
     assert run_cli("build", photos, "-o", images, "--store", "jpeg", "--batch-size", "4").returncode == 0
     got = [b["image"].shape for b in batchctl.open(images).loader(batch_size=4, random_resized_crop=32, flip=True)]
     assert got == [(4, 32, 32, 3)] * 3
+
+
+def test_carried_rows_at_a_url_are_read_checked_and_a_missing_shard_is_an_error(
+    tmp_path: Path, bucket: str, s3_endpoint: str
+) -> None:
+    """The reader an incremental build carries rows with (`store.rowread.RowReader`) reads a URL's
+    rows as `batchctl.open` does, and a shard gone is an error naming it, not rows of zeros (as
+    zarr-python reads it, which is what this reader used at a URL)."""
+    import zarr
+
+    from batchctl.store.rowread import RowReader
+
+    _, url = _built(tmp_path, bucket, "carry", 40)  # shards of 24 rows: two
+    ds = batchctl.open(url)
+    options = {"endpoint_url": s3_endpoint}
+    group = zarr.open_group(url, mode="r", storage_options=options)
+    images = np.concatenate([ds[i]["image"] for i in range(len(ds))])
+    assert np.array_equal(RowReader(url, dict(group.arrays()), options).rows("image", 3, 37), images[3:37])
+    fs, gone = _fs(s3_endpoint), f"{bucket}/carry.zarr/image/c/1/0/0/0"
+    assert fs.exists(gone)
+    fs.rm(gone)
+    assert not np.asarray(group["image"][30:34]).any()  # zarr-python: zeros, no error
+    with pytest.raises(batchctl.FormatError, match=r"image/c/1/0/0/0 is missing"):
+        RowReader(url, dict(group.arrays()), options).rows("image", 30, 34)
