@@ -215,16 +215,42 @@ class ChunkReader(ChunkLayout):
         return cast(np.ndarray, scratch)
 
 
-class ValuesReader:
-    """A ragged field's values of one batch (`F.values`, docs/format.md) straight from a local
-    shard file: the batch's chunks lie one after another, so one pread takes them all; each
-    chunk's checksum is checked."""
+class ValuesLayout:
+    """A ragged field's values (`F.values`, docs/format.md) as batchctl writes them, whatever holds
+    their bytes (`ValuesReader`: a local shard file; `remote.RemoteValuesReader`: ranged reads at
+    a URL): a batch's chunks lie one after another, so one read takes them all; where they lie
+    is found in the shard's index, and each chunk's checksum is checked as they are decoded."""
 
-    def __init__(self, root: DatasetRoot, arr: ArrayMeta) -> None:
+    holder = "file"  # what holds a shard, for messages
+
+    def __init__(self, arr: ArrayMeta) -> None:
         self.arr = arr
         self.encoder = ragged.ValuesEncoder(arr)
         self.per_shard = int(arr.grid[0])  # batches
-        self._shards = ShardFiles(root, arr, arr.chunks_per_shard)
+        self.positions = arr.chunks_per_shard  # index entries of a shard
+
+    def where(self, batch: int) -> str:
+        return f"{self.arr.name} shard {batch // self.per_shard}, batch {batch}"
+
+    def place(self, index: np.ndarray, batch: int, where: str) -> tuple[int, ...]:
+        """Where batch `batch`'s chunks lie in its shard, from the shard's `index`."""
+        slots = self.encoder.slots
+        return ragged.batch_place(index[(batch % self.per_shard) * slots :][:slots], self.encoder, where)
+
+    def decode(self, data: bytes, place: tuple[int, ...], where: str) -> np.ndarray:
+        """The batch's values from the bytes at its `place` (laid end to end, the last chunk's
+        padding included)."""
+        if len(data) != place[1]:
+            raise FormatError(f"{where}: the shard {self.holder} is truncated")
+        return self.encoder.decode(data, place, where)
+
+
+class ValuesReader(ValuesLayout):
+    """A ragged field's values of one batch straight from a local shard file, by one pread."""
+
+    def __init__(self, root: DatasetRoot, arr: ArrayMeta) -> None:
+        super().__init__(arr)
+        self._shards = ShardFiles(root, arr, self.positions)
 
     @classmethod
     def for_array(cls, root: DatasetRoot, arr: ArrayMeta) -> ValuesReader | None:
@@ -232,15 +258,10 @@ class ValuesReader:
 
     def read(self, batch: int) -> np.ndarray:
         """Batch `batch`'s values, laid end to end (its last chunk's padding included)."""
-        shard = batch // self.per_shard
-        held = self._shards.get(shard)  # kept while this read uses it: closed with the last holder
-        slots = self.encoder.slots
-        where = f"{self.arr.name} shard {shard}, batch {batch}"
-        place = ragged.batch_place(held.index[(batch % self.per_shard) * slots :][:slots], self.encoder, where)
-        data = os.pread(held.file.fileno(), place[1], place[0])
-        if len(data) != place[1]:
-            raise FormatError(f"{where}: the shard file is truncated")
-        return self.encoder.decode(data, place, where)
+        held = self._shards.get(batch // self.per_shard)  # kept while this read uses it: closed with the last holder
+        where = self.where(batch)
+        place = self.place(held.index, batch, where)
+        return self.decode(os.pread(held.file.fileno(), place[1], place[0]), place, where)
 
 
 class BatchValues(Protocol):

@@ -18,7 +18,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
@@ -26,11 +26,12 @@ from batchctl.errors import FormatError
 from batchctl.records import describe_error
 from batchctl.store import ragged, storage
 from batchctl.store.cache import ChunkCache
-from batchctl.store.chunkread import ChunkLayout, row_views
+from batchctl.store.chunkread import ChunkLayout, ValuesLayout, row_views
 from batchctl.store.codec import NO_CHUNK, own_codecs, parse_shard_index
-from batchctl.store.journal import Chunk
 from batchctl.store.storage import StoreError
 from batchctl.store.zarrmeta import ArrayMeta
+
+T = TypeVar("T")
 
 RETRY_FOR_S = 60.0  # a read failing for a passing reason is retried this long before the epoch ends
 ATTEMPT_TIMEOUT_S = 30.0  # one attempt (one batch's ranged reads together) gives up after this long
@@ -178,24 +179,24 @@ class RemoteStore:
         for (reader, rows), where, span in zip(jobs, ranges, held, strict=True):
             # a kept span may have come from the cache: checked, and fetched again, the same way
             got = next(fetched) if span is None else (span, True)
-            self._checked(where, got, functools.partial(reader.decode, chunk, where, rows=rows))
+            self.checked(where, got, functools.partial(reader.decode, chunk, where, rows=rows))
 
     def load_indexes(self, shard: int, readers: list[RemoteChunkReader]) -> None:
         """Shard `shard`'s index of each array not yet known, fetched together."""
         unknown = [reader for reader in readers if shard not in reader.indexes]
         for reader, got in zip(unknown, self.fetch([r.index_range(shard) for r in unknown]), strict=True):
-            self._checked(reader.index_range(shard), got, functools.partial(reader.keep_index, shard))
+            self.checked(reader.index_range(shard), got, functools.partial(reader.keep_index, shard))
 
-    def _checked(self, where: Range, got: tuple[bytes, bool], use: Callable[[bytes], None]) -> None:
-        """`use` the bytes of `where`; those from the local cache once more from the store if
-        they fail their checks there."""
+    def checked(self, where: Range, got: tuple[bytes, bool], use: Callable[[bytes], T]) -> T:
+        """`use` the bytes of `where` (what `fetch` got), and what it gives; those from the local
+        cache once more from the store if they fail their checks there."""
         data, from_cache = got
         try:
-            use(data)
+            return use(data)
         except FormatError:
             if not from_cache or self.cache is None:
                 raise
-            use(self._repaired(where, data))
+            return use(self._repaired(where, data))
 
     def _repaired(self, where: Range, damaged: bytes) -> bytes:
         """The store's copy of a range whose cached copy is damaged, cached in its place: fetched
@@ -279,17 +280,17 @@ class RemoteChunkReader(ChunkLayout):
                     self._spans.popitem(last=False)
 
 
-class RemoteValuesReader:
-    """A ragged field's values (`F.values`, docs/format.md) of a dataset at a URL, batch by batch:
-    its shard's index fetched once, then the batch's chunks, which lie one after another, by one
-    ranged read, each chunk's checksum checked. A missing shard or chunk is an error naming it,
-    never the fill values a generic Zarr reader would give."""
+class RemoteValuesReader(ValuesLayout):
+    """A ragged field's values of a dataset at a URL, batch by batch: its shard's index fetched
+    once, then the batch's chunks by one ranged read (through the store: its retries, in-flight
+    sharing and cache). A missing shard or chunk is an error naming it, never the fill values a
+    generic Zarr reader would give."""
+
+    holder = "object"
 
     def __init__(self, store: RemoteStore, arr: ArrayMeta) -> None:
-        self.store, self.arr = store, arr
-        self.encoder = ragged.ValuesEncoder(arr)
-        self.per_shard = int(arr.grid[0])  # batches
-        self.index_bytes = arr.chunks_per_shard * 16 + 4
+        super().__init__(arr)
+        self.store = store
         self.indexes: dict[int, np.ndarray] = {}  # shard -> its index, kept once fetched
 
     @classmethod
@@ -302,33 +303,20 @@ class RemoteValuesReader:
     def read(self, batch: int) -> np.ndarray:
         """Batch `batch`'s values, laid end to end (its last chunk's padding included)."""
         shard = batch // self.per_shard
-        where = f"{self.store.url}: {self.arr.name} shard {shard}, batch {batch}"
-        index = self._index(shard, where)
-        slots = self.encoder.slots
-        place = ragged.batch_place(index[(batch % self.per_shard) * slots :][:slots], self.encoder, where)
+        where = f"{self.store.url}: {self.where(batch)}"
+        place = self.place(self._index(shard, where), batch, where)
         if not place[1]:
-            return self.encoder.decode(b"", place, where)
+            return self.decode(b"", place, where)
         span = Range(self._path(shard), place[0], place[0] + place[1], f"{self.arr.name}/{batch}")
-        decoded: list[np.ndarray] = []
-        self.store._checked(
-            span, self.store.fetch([span])[0], lambda data: decoded.append(self._decoded(data, place, where))
-        )
-        return decoded[-1]
-
-    def _decoded(self, data: bytes, place: Chunk, where: str) -> np.ndarray:
-        if len(data) != place[1]:
-            raise FormatError(f"{where}: the shard object is truncated")
-        return self.encoder.decode(data, place, where)
+        return self.store.checked(span, self.store.fetch([span])[0], lambda data: self.decode(data, place, where))
 
     def _index(self, shard: int, where: str) -> np.ndarray:
         """Shard `shard`'s index (checked against its crc32c), fetched once (threads may both)."""
         index = self.indexes.get(shard)
         if index is None:
-            span = Range(self._path(shard), -self.index_bytes, None, f"{self.arr.name}/index/{shard}")
-            found: list[np.ndarray] = []
-            positions = self.arr.chunks_per_shard
-            self.store._checked(
-                span, self.store.fetch([span])[0], lambda raw: found.append(parse_shard_index(raw, positions, where))
+            span = Range(self._path(shard), -(self.positions * 16 + 4), None, f"{self.arr.name}/index/{shard}")
+            got = self.store.fetch([span])[0]
+            index = self.indexes[shard] = self.store.checked(
+                span, got, lambda raw: parse_shard_index(raw, self.positions, where)
             )
-            index = self.indexes[shard] = found[-1]
         return index
