@@ -114,25 +114,32 @@ def _bytes_of(run: Callable[[], Any]) -> int:
     return bytes_read() - before
 
 
-def _workers_speed(dataset: Path) -> dict[str, Any]:
+def _workers_speed(dataset: Path, rounds: int = 9) -> dict[str, Any]:
+    """`IterableBatches` through a DataLoader with 2 workers against none, in one process, an
+    epoch of each in turn (`read_peers.py batchctl-side-by-side`): the medians of each one's
+    epochs and of the rounds' ratios, bare and with a CPU augmentation."""
     script = str(HERE / "read_peers.py")
     rates: dict[str, Any] = {}
-    for mode in ("batchctl", "batchctl-augment"):
-        for workers in (0, 2):
-            done = subprocess.run(
-                [sys.executable, script, mode, str(dataset), str(workers), "64"], capture_output=True, text=True
-            )
-            line = [w for w in done.stdout.split("\n") if w.startswith("RATE")]
-            rates[f"{mode}_{workers}_workers_images_s"] = round(float(line[0].split()[1]), 1) if line else None
-            if not line:
-                print(f"[info] {mode} with {workers} workers failed: {done.stderr.strip()[-500:]}")
-        bare, two = rates[f"{mode}_0_workers_images_s"], rates[f"{mode}_2_workers_images_s"]
-        rates[f"{mode}_2_workers_vs_0"] = round(two / bare, 2) if bare and two else None
+    for mode, extra in (("batchctl", []), ("batchctl-augment", ["augment"])):
+        done = subprocess.run(
+            [sys.executable, script, "batchctl-side-by-side", str(dataset), "2", "64", str(rounds), *extra],
+            capture_output=True,
+            text=True,
+        )
+        line = [w for w in done.stdout.split("\n") if w.startswith("SIDE")]
+        if not line:
+            print(f"[info] {mode} side by side failed: {done.stderr.strip()[-500:]}")
+            continue
+        bare, two, ratio = (float(v) for v in line[0].split()[1:])
+        rates[f"{mode}_0_workers_images_s"] = round(bare, 1)
+        rates[f"{mode}_2_workers_images_s"] = round(two, 1)
+        rates[f"{mode}_2_workers_vs_0"] = round(ratio, 2)
     return rates
 
 
 def _against_np_load_crc(root: Path, dataset: Path) -> dict[str, Any]:
-    """One loader (world 1, no workers) at mix 16 and 1 against np.load + crc32c per stored batch."""
+    """One loader (world 1, no workers) at mix 16 and 1 against np.load + crc32c per stored batch,
+    and against the same reads and checks into 16 buffers in turn (a group's output batches)."""
     ds = batchctl.open(dataset)
     folder = root / "once-npy"
     folder.mkdir(exist_ok=True)
@@ -145,6 +152,19 @@ def _against_np_load_crc(root: Path, dataset: Path) -> dict[str, Any]:
         for f in files:
             crc32c(np.load(f))
 
+    # the same reads into buffers in turn, as many as a group of mix=16 fills together: np.load's
+    # one buffer, freed and taken again, stays in the CPU's cache (L3) from one batch to the next
+    places = [(int(m.offset), m.nbytes) for m in (np.load(f, mmap_mode="r") for f in files)]  # past each header
+    rotating = [np.empty(max(n for _, n in places), np.uint8) for _ in range(16)]
+
+    def into_rotating() -> None:
+        for k, (f, (offset, nbytes)) in enumerate(zip(files, places, strict=True)):
+            into = rotating[k % len(rotating)][:nbytes]
+            with open(f, "rb") as file:
+                file.seek(offset)
+                file.readinto(into.data)
+            crc32c(into)
+
     def best(fn: Callable[[], Any], repeat: int = 3) -> float:
         os.sync()
         times = []
@@ -156,9 +176,13 @@ def _against_np_load_crc(root: Path, dataset: Path) -> dict[str, Any]:
 
     baseline = best(plain)
     figures: dict[str, Any] = {"np_load_crc_images_s": round(ds.num_samples / baseline, 1)}
+    figures["read_crc_into_16_buffers_images_s"] = round(ds.num_samples / best(into_rotating), 1)
     for mix in (16, 1):
         seconds = best(lambda mix=mix: _consume(ds.loader(mix=mix, fields=["image", "label"])))
         rows = ds.num_samples // ds.batch_size * ds.batch_size
         figures[f"loader_mix_{mix}_images_s"] = round(rows / seconds, 1)
         figures[f"loader_mix_{mix}_vs_np_load_crc"] = round((rows / seconds) / (ds.num_samples / baseline), 3)
+    figures["loader_mix_16_vs_16_buffers"] = round(
+        figures["loader_mix_16_images_s"] / figures["read_crc_into_16_buffers_images_s"], 3
+    )
     return figures

@@ -4,6 +4,7 @@ output of the same arrays, or torchvision's ImageFolder + Resize/CenterCrop over
 
     python read_peers.py batchctl DATASET WORKERS BATCH
     python read_peers.py batchctl-augment DATASET WORKERS BATCH
+    python read_peers.py batchctl-side-by-side DATASET WORKERS BATCH ROUNDS [augment]
     python read_peers.py litdata-optimize DATASET OUT WORKERS
     python read_peers.py litdata OUT WORKERS BATCH
     python read_peers.py litdata-remote URL CACHE BATCH
@@ -13,7 +14,11 @@ output of the same arrays, or torchvision's ImageFolder + Resize/CenterCrop over
     python read_peers.py loader-rrc DATASET THREADS BATCH
 
 Prints `RATE images/s` for the second of two epochs (the first warms the page cache and starts
-the workers; torchvision's one epoch, whose decoding dwarfs both).
+the workers; torchvision's one epoch, whose decoding dwarfs both). `batchctl-side-by-side` runs
+two DataLoaders in one process, without workers and with WORKERS (kept), an epoch of each in
+turn for ROUNDS rounds after a first one, and prints `SIDE rate0 rateN ratio`: the medians of
+each one's epochs and of the rounds' ratios (this machine is shared: one epoch of 2,400 photos
+takes ~0.1 s, and two epochs of one loader in a row were seen to differ 2x).
 """
 
 from __future__ import annotations
@@ -54,6 +59,35 @@ def run_batchctl_augment(path: str, workers: int, batch: int) -> float:
     stream = IterableBatches(path, batch_size=batch, shuffle=True, mix=16, transform=_crop_and_flip)
     kept = workers > 0
     return timed_epochs(DataLoader(stream, batch_size=None, num_workers=workers, persistent_workers=kept))
+
+
+def run_side_by_side(path: str, workers: int, batch: int, rounds: int, augment: bool) -> tuple[float, float, float]:
+    """Medians of `IterableBatches` epochs without DataLoader workers and with `workers`, taken
+    in turn, and of each round's ratio (with / without)."""
+    from statistics import median
+
+    from torch.utils.data import DataLoader
+
+    from batchctl.torch import IterableBatches
+
+    transform = _crop_and_flip if augment else None
+    loaders = [
+        DataLoader(
+            IterableBatches(path, batch_size=batch, shuffle=True, mix=16, transform=transform),
+            batch_size=None,
+            num_workers=n,
+            persistent_workers=n > 0,
+        )
+        for n in (0, workers)
+    ]
+    for loader in loaders:  # the page cache warmed, the workers started
+        timed_epochs(loader, epochs=1)
+    rates: list[list[float]] = [[], []]
+    for _ in range(rounds):
+        for rate, loader in zip(rates, loaders, strict=True):
+            rate.append(timed_epochs(loader, epochs=1))
+    ratios = [mine / bare for bare, mine in zip(*rates, strict=True)]
+    return median(rates[0]), median(rates[1]), median(ratios)
 
 
 def _crop_and_flip(got: dict[str, Any]) -> dict[str, Any]:
@@ -222,6 +256,9 @@ if __name__ == "__main__":
     mode, *args = sys.argv[1:]
     if mode == "litdata-optimize":
         litdata_optimize(args[0], args[1], int(args[2]))
+        sys.exit(0)
+    if mode == "batchctl-side-by-side":
+        print("SIDE", *run_side_by_side(args[0], int(args[1]), int(args[2]), int(args[3]), args[4:] == ["augment"]))
         sys.exit(0)
     if mode == "litdata-remote":
         print("RATE", run_litdata_remote(args[0], args[1], int(args[2])), flush=True)
