@@ -586,8 +586,11 @@ def test_a_stateful_dataloader_state_past_the_epoch_is_refused_in_one_line(numbe
     pytest.importorskip("torchdata")
     _, state = _stateful_run(numbered, workers, stop=3)
     assert state is not None
-    # With workers, torchdata's StatefulDataLoader takes ~10 s to let its workers go after a
-    # refused state (it waits out its 5 s status interval for each): one key there.
+    # With workers, a refused state takes ~10 s to let the workers go once its error is caught:
+    # torch re-raises a worker's error from a frame its traceback holds (a reference cycle), so
+    # the DataLoader's iterator goes with the garbage collector, which runs multiprocessing's
+    # finalizers of its index queues (closing them) before the iterator's own, whose stop for
+    # the workers then never reaches them, and it waits 5 s for each: one key there.
     tampers = (("yielded", 1000), ("position", 10**12)) if workers == 0 else (("position", 10**12),)
     for key, value in tampers:
         tampered = _replace_in(state, key, value)
