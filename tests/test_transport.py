@@ -4,6 +4,7 @@ batchctl's own shard encoder."""
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -37,7 +38,7 @@ def ring() -> Iterator[SampleRing]:
 def test_ring_carries_outputs_exactly(ring: SampleRing) -> None:
     sent = [output(7, 1), output(2, 2, name="y")]
     message = ring.put(1, sent)
-    assert message is not None and message.slot == 1
+    assert message is not None and message.slot in (2, 3)  # worker slot 1's pair
     received = ring.outputs(message)
     assert [out.parts for out in received] == [out.parts for out in sent]
     for got, want in zip(received, sent, strict=True):
@@ -48,6 +49,39 @@ def test_ring_carries_outputs_exactly(ring: SampleRing) -> None:
     del received, got
     ring.release(message)
     assert ring.put(1, [output(3, 3)]) is not None  # the slot is free again
+
+
+def test_a_chunk_kept_in_its_slot_leaves_the_worker_the_other_one(ring: SampleRing) -> None:
+    """The collator may keep an early chunk in its ring slot while the worker's other slot is
+    free: the worker's next chunks then go to that other slot, never waiting on the kept one."""
+    kept = ring.put(0, [output(1, 2)])
+    assert kept is not None and kept.slot in (0, 1) and ring.other_free(kept.slot)
+    for seed in (2, 3, 4):  # each placed (released) at once: all in the other slot
+        sent = ring.put(0, [output(seed, 2)])
+        assert sent is not None and sent.slot == kept.slot ^ 1
+        assert not ring.other_free(kept.slot)  # while the collator copies or places it
+        ring.release(sent)
+    assert ring.other_free(kept.slot)
+    done = threading.Event()
+    taken: list[int] = []
+
+    def worker() -> None:  # both slots taken: it waits for the one it sent in last, not the kept one
+        again = ring.put(0, [output(6, 2)])
+        taken.append(-1 if again is None else again.slot)
+        done.set()
+
+    busy = ring.put(0, [output(5, 2)])
+    assert busy is not None and busy.slot == kept.slot ^ 1
+    thread = threading.Thread(target=worker)
+    thread.start()
+    assert not done.wait(0.2)  # the kept chunk is still held
+    ring.release(busy)
+    thread.join(10)
+    assert taken == [kept.slot ^ 1]
+    got = ring.outputs(kept)[0].columns["x"]  # the kept chunk is intact
+    assert np.array_equal(got, output(1, 2).columns["x"])
+    del got
+    ring.release(kept)
 
 
 def test_ring_refuses_what_does_not_fit(ring: SampleRing) -> None:

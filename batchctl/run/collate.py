@@ -472,12 +472,14 @@ def _slices(pieces: list[Any], offset: int) -> Iterator[tuple[int, memoryview]]:
 class Placement:
     """The collator's side of the workers' messages: each chunk's rows placed where the chunk
     stands in the dispatch order (`Reorder`), whatever order the workers finish in. An early
-    chunk is copied out of its ring slot (freeing the worker) and held; the bytes held are
-    published in `held` for the parent's feed, which stops dispatching while they are many."""
+    chunk is held: in its ring slot while its worker has its other slot to fill, else copied
+    out (freeing the worker). The bytes held are published in `held` for the parent's feed,
+    which stops dispatching while they are many."""
 
     def __init__(self, collator: Collator, ring: SampleRing | None, held: Any, control: Connection) -> None:
         self.collator, self.ring, self.held, self.control = collator, ring, held, control
-        self.reorder: Reorder[list[TaskOutput]] = Reorder()
+        # each held chunk's outputs, and its message while they still lie in its ring slot
+        self.reorder: Reorder[tuple[list[TaskOutput], InRing | None]] = Reorder()
 
     def take(self, message: Sent) -> None:
         tasks = message.tasks
@@ -489,10 +491,19 @@ class Placement:
             self.reorder.placed(tasks)
             self._place_due()
         else:
-            outputs = [_owned(output) for output in self._outputs(message.body)]
-            self._release(message.body)
-            self.reorder.hold(tasks, outputs, sum(c.nbytes for o in outputs for c in o.columns.values()))
+            outputs, kept = self._early(message.body)
+            self.reorder.hold(tasks, (outputs, kept), sum(c.nbytes for o in outputs for c in o.columns.values()))
         self.held.value = self.reorder.bytes
+
+    def _early(self, body: InRing | list[TaskOutput]) -> tuple[list[TaskOutput], InRing | None]:
+        """An early chunk's outputs as held: left in its ring slot (and its message, to free it
+        once they are placed) while the worker's other slot is free, else copied out."""
+        outputs = self._outputs(body)
+        if isinstance(body, InRing) and self.ring is not None and self.ring.other_free(body.slot):
+            return outputs, body
+        owned = [_owned(output) for output in outputs]
+        self._release(body)
+        return owned, None
 
     def stop_asked(self) -> bool:
         """Read the parent's control messages waiting: True on Stop; lost tasks are settled."""
@@ -508,13 +519,17 @@ class Placement:
 
     def finish(self) -> None:
         """End: every chunk has arrived, so nothing is held (were anything, it goes in, in order)."""
-        for _, outputs in self.reorder.take_all():
+        for _, (outputs, kept) in self.reorder.take_all():
             self._add(outputs)
+            if kept is not None:
+                self._release(kept)
 
     def _place_due(self) -> None:
         while (due := self.reorder.take_due()) is not None:
-            tasks, outputs = due
+            tasks, (outputs, kept) = due
             self._add(outputs)
+            if kept is not None:
+                self._release(kept)
             self.reorder.placed(tasks)
 
     def _add(self, outputs: list[TaskOutput]) -> None:

@@ -5,11 +5,15 @@ Pickling a chunk's arrays through a pipe costs a copy through the kernel on each
 a worker copies its columns into its own slot of one shared-memory segment and sends only a small
 `InRing` through the pipe; the collator copies the rows straight into its batch and frees the slot.
 
-Ring slot k belongs to whichever worker holds `WorkerSlots` slot k, so workers share no lock; a
-semaphore per slot says the collator is done with it. A worker that dies may die holding its
-slot, so the parent retires the slot of every lost worker (`WorkerSlots.release`): a retired slot
-is never written again. A worker without a usable slot, or with output too big for one, sends
-through the pipe as before; nothing is lost either way, it is only slower.
+Ring slots 2k and 2k+1 belong to whichever worker holds `WorkerSlots` slot k, so workers share
+no lock; a semaphore per slot says the collator is done with it. Two, so that a chunk arriving
+before its turn (`Placement`) can wait in its slot while its worker fills the other, instead of
+being copied out on the collator's main thread to free the worker (a quarter of a near-free
+build's chunks came early with 2 workers, and their copies into fresh memory were 13% of that
+thread's samples in py-spy). A worker that dies may die holding its slots, so the parent retires
+the slots of every lost worker (`WorkerSlots.release`): a retired slot is never written again. A
+worker without a usable slot, or with output too big for one, sends through the pipe as before;
+nothing is lost either way, it is only slower.
 
 The segment has no name: it is a memfd, handed to each child as it starts, so the kernel frees
 it with the last process that maps it, however the build ends. Being outside /dev/shm, it is not
@@ -31,6 +35,7 @@ from batchctl.records import SentTask, TaskOutput
 from batchctl.run.mpinternals import dup_fd_for_child
 
 SLOT_BYTES = 32 * 2**20  # one chunk's output; only the pages a chunk fills are ever touched
+SLOTS_PER_WORKER = 2
 ALIGN = 64
 
 
@@ -62,24 +67,26 @@ class Sent:
 
 
 class SampleRing:
-    """One anonymous shared-memory segment of `count` slots of `slot_bytes` each; the object
-    travels to the workers and the collator as they start, each mapping the segment lazily."""
+    """One anonymous shared-memory segment of two slots of `slot_bytes` for each of `workers`
+    worker slots; the object travels to the workers and the collator as they start, each mapping
+    the segment lazily."""
 
-    def __init__(self, ctx: BaseContext, count: int, slot_bytes: int = SLOT_BYTES) -> None:
-        self.count = count
+    def __init__(self, ctx: BaseContext, workers: int, slot_bytes: int = SLOT_BYTES) -> None:
+        self.count = workers * SLOTS_PER_WORKER
         self.slot_bytes = slot_bytes
-        self.free = [ctx.Semaphore(1) for _ in range(count)]
+        self.free = [ctx.Semaphore(1) for _ in range(self.count)]
         self._fd = os.memfd_create("batchctl-ring", os.MFD_CLOEXEC)
-        os.ftruncate(self._fd, count * slot_bytes)
+        os.ftruncate(self._fd, self.count * slot_bytes)
         self._map: mmap.mmap | None = None
+        self._last: dict[int, int] = {}  # a worker slot's ring slot sent in last (in that worker)
 
     @classmethod
-    def create(cls, ctx: BaseContext, count: int) -> SampleRing | None:
+    def create(cls, ctx: BaseContext, workers: int) -> SampleRing | None:
         """A ring, or None where the system has no memfd: the samples go through the pipe then."""
         if not hasattr(os, "memfd_create"):
             return None
         try:
-            return cls(ctx, count)
+            return cls(ctx, workers)
         except OSError:
             return None
 
@@ -95,8 +102,8 @@ class SampleRing:
         return self._map
 
     def put(self, slot: int, outputs: list[TaskOutput]) -> InRing | None:
-        """Copy `outputs` into `slot` once the collator is done with its last contents; None when
-        they do not fit (or hold Python objects): send them through the pipe then."""
+        """Copy `outputs` into a ring slot of worker slot `slot` the collator is done with; None
+        when they do not fit (or hold Python objects): send them through the pipe then."""
         layout: list[tuple[list[tuple[SentTask, int]], list[ColumnRef]]] = []
         offset = 0
         for output in outputs:
@@ -109,11 +116,30 @@ class SampleRing:
             layout.append((output.parts, refs))
         if offset > self.slot_bytes:
             return None
-        self.free[slot].acquire()
+        taken = self._take(slot)
         for output, (_, refs) in zip(outputs, layout, strict=True):
             for ref in refs:
-                self._view(slot, ref)[...] = output.columns[ref.name]
-        return InRing(slot, layout)
+                self._view(taken, ref)[...] = output.columns[ref.name]
+        self._last[slot] = taken
+        return InRing(taken, layout)
+
+    def _take(self, slot: int) -> int:
+        """A ring slot of worker slot `slot` that the collator is done with. The collator keeps
+        at most one of the two (an early chunk, kept only while the other is free), and that one
+        is older than the one sent last: when neither is free, the one sent last is being placed
+        or copied out, and is waited for."""
+        pair = (slot * SLOTS_PER_WORKER, slot * SLOTS_PER_WORKER + 1)
+        for ring_slot in pair:
+            if self.free[ring_slot].acquire(block=False):
+                return ring_slot
+        last = self._last.get(slot, pair[0])
+        self.free[last].acquire()
+        return last
+
+    def other_free(self, ring_slot: int) -> bool:
+        """Whether the other ring slot of `ring_slot`'s worker is free: while it is, a chunk kept
+        in this one does not hold its worker up."""
+        return bool(self.free[ring_slot ^ 1].get_value())
 
     def outputs(self, message: InRing) -> list[TaskOutput]:
         """The outputs of a message, their columns viewing the slot (valid until `release`)."""
