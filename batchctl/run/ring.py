@@ -35,7 +35,7 @@ from batchctl.records import SentTask, TaskOutput
 from batchctl.run.mpinternals import dup_fd_for_child
 
 SLOT_BYTES = 32 * 2**20  # one chunk's output; only the pages a chunk fills are ever touched
-SLOTS_PER_WORKER = 2
+SLOTS_PER_WORKER = 2  # worker slot k owns ring slots 2k and 2k+1 (`other_free` pairs them so)
 ALIGN = 64
 
 
