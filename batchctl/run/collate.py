@@ -1,8 +1,11 @@
 """Collate: the collator process assembles samples into batches and streams them into shards.
 
 It is the only writer of the dataset's arrays. Chunks of samples are placed in the dispatch
-order, whatever order the workers finish in (`Placement`, `batchctl.run.reorder`). Each batch, the
-moment it is full, is encoded and appended to its shard (one chunk per array,
+order, whatever order the workers finish in (`Placement`, `batchctl.run.reorder`): the main
+thread decides where each row goes and keeps the journal's account, a copy thread moves the rows'
+bytes into their batch (a 150 KB photo's copy was a third of the main thread's work, the thread
+that caps how many workers a build can use). Each batch, the moment it is full and copied, is
+encoded and appended to its shard (one chunk per array,
 `batchctl.store.shards`); each chunk is hashed by the writer thread that encodes it, and a
 shard's hash combines its chunks' (`digest.shard_hash`), so no one thread hashes every byte. The
 shard's index is written when its last batch is in. About every second the shard files are fsynced and then the
@@ -81,11 +84,13 @@ class _InFlight:
 
 @dataclass
 class _Batch:
-    """The rows of the batch being filled, plus the journal entries describing them."""
+    """The rows of the batch being filled, plus the journal entries describing them, and the
+    copies of its rows still to be made (by the copy thread: `Collator.add`)."""
 
     columns: dict[str, np.ndarray]
     sources: list[str] = field(default_factory=list)
     entries: list[FileRun] = field(default_factory=list)
+    copies: list[Future[None]] = field(default_factory=list)
 
     @property
     def rows(self) -> int:
@@ -114,6 +119,9 @@ class Collator:
         self.in_flight: deque[_InFlight] = deque()
         self.spare: list[dict[str, np.ndarray]] = []  # batch buffers free to be filled again
         self.threads = ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="batchctl-write")
+        # copies each output's rows into its batch, in the order given; then frees what they were
+        # copied from (`then`): the main thread only places rows, one thread moves their bytes
+        self.copier = ThreadPoolExecutor(1, thread_name_prefix="batchctl-copy")
         self.last_sync = time.monotonic()
         self.fsync_s = 0.0  # time in fsync, and waiting for the writer threads (the build's report)
         self.wait_s = 0.0
@@ -227,8 +235,14 @@ class Collator:
         while done < output.rows:
             batch, start = self.batch, self.batch.rows
             take = min(output.rows - done, self.layout.batch_size - start)
+            pieces = []
             for name, column in output.columns.items():
-                batch.columns[name][start : start + take] = column[done : done + take]
+                into, taken = batch.columns[name][start : start + take], column[done : done + take]
+                if column.dtype.hasobject:  # a ragged field's rows (arrays): cut into values on this thread
+                    into[...] = taken
+                else:
+                    pieces.append((into, taken))
+            batch.copies.append(self.copier.submit(_copy_rows, pieces))
             batch.columns[metadata.SOURCE_INDEX][start : start + take] = source_index[done : done + take]
             if self.config.labelled:
                 batch.columns[metadata.LABEL][start : start + take] = labels[done : done + take]
@@ -242,6 +256,10 @@ class Collator:
                     (_, relpath, _, size, mtime_ns, part, _), left = next(parts)
             if batch.rows == self.layout.batch_size:
                 self._write_batch()
+
+    def then(self, action: Callable[[], None]) -> None:
+        """Run `action` once the rows added so far are copied (a ring slot freed after its rows)."""
+        self.copier.submit(action)
 
     def carry_over(self, carry: Carry, stopping: Callable[[], bool]) -> None:
         """Add the carried rows, one old shard at a time (memory: one shard); each part goes in
@@ -302,7 +320,8 @@ class Collator:
             columns[metadata.offsets_array(field_name)] = offsets
             columns[metadata.values_array(field_name)] = values
         line = BatchLine(self.next_batch, self.open_index, rows, tuple(batch.entries))
-        self.in_flight.append(_InFlight(line, self.threads.submit(self._encode, columns), batch.columns))
+        encoding = self.threads.submit(self._encode, columns, batch.copies)
+        self.in_flight.append(_InFlight(line, encoding, batch.columns))
         self.samples += rows
         self.next_batch += 1
         self._advance()
@@ -312,9 +331,13 @@ class Collator:
         assert self.schema is not None
         return self.schema[field_name]
 
-    def _encode(self, columns: dict[str, np.ndarray]) -> dict[str, list[tuple[list[Any], bytes]]]:
+    def _encode(
+        self, columns: dict[str, np.ndarray], copies: list[Future[None]]
+    ) -> dict[str, list[tuple[list[Any], bytes]]]:
         """Each array's chunks of a batch (one, or a ragged field's values' several), encoded,
-        and their digests (in this writer thread)."""
+        and their digests (in this writer thread), once its rows are copied in."""
+        for copy in copies:
+            copy.result()
         encoded = {}
         for name, column in columns.items():
             field_name, part = metadata.ragged_part(name)
@@ -412,6 +435,7 @@ class Collator:
         if self.open:
             self._close_shards()
         self.threads.shutdown()
+        self.copier.shutdown()
         batches = metadata.num_batches(self.samples, self.config.batch_size)
         for name, arr in self.arrays.items():
             self.arrays[name] = arr.resized(metadata.array_rows(name, self.samples, self.config.batch_size))
@@ -431,7 +455,13 @@ class Collator:
         for shard in self.open.values():
             shard.close()
         self.threads.shutdown()
+        self.copier.shutdown()
         return Stopped(self.samples)
+
+
+def _copy_rows(pieces: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    for into, rows in pieces:
+        into[...] = rows
 
 
 def _append_run(entries: list[FileRun], run: FileRun) -> None:
@@ -487,7 +517,7 @@ class Placement:
             self._release(message.body)
         elif self.reorder.due(tasks):
             self._add(self._outputs(message.body))
-            self._release(message.body)
+            self._release_after_copies(message.body)
             self.reorder.placed(tasks)
             self._place_due()
         else:
@@ -522,14 +552,14 @@ class Placement:
         for _, (outputs, kept) in self.reorder.take_all():
             self._add(outputs)
             if kept is not None:
-                self._release(kept)
+                self._release_after_copies(kept)
 
     def _place_due(self) -> None:
         while (due := self.reorder.take_due()) is not None:
             tasks, (outputs, kept) = due
             self._add(outputs)
             if kept is not None:
-                self._release(kept)
+                self._release_after_copies(kept)
             self.reorder.placed(tasks)
 
     def _add(self, outputs: list[TaskOutput]) -> None:
@@ -546,6 +576,13 @@ class Placement:
         if isinstance(body, InRing):
             assert self.ring is not None
             self.ring.release(body)
+
+    def _release_after_copies(self, body: InRing | list[TaskOutput]) -> None:
+        """Free a placed chunk's ring slot once its rows are copied into their batches."""
+        if isinstance(body, InRing):
+            ring = self.ring
+            assert ring is not None
+            self.collator.then(lambda: ring.release(body))
 
 
 def _owned(output: TaskOutput) -> TaskOutput:

@@ -3,7 +3,8 @@
 Pickling a chunk's arrays through a pipe costs a copy through the kernel on each side (measured
 ~230-300 MB/s on Python 3.11), and py-spy showed the collator's reads as its largest cost. Instead
 a worker copies its columns into its own slot of one shared-memory segment and sends only a small
-`InRing` through the pipe; the collator copies the rows straight into its batch and frees the slot.
+`InRing` through the pipe; the collator's copy thread copies the rows straight into their batch
+and frees the slot.
 
 Ring slots 2k and 2k+1 belong to whichever worker holds `WorkerSlots` slot k, so workers share
 no lock; a semaphore per slot says the collator is done with it. Two, so that a chunk arriving
