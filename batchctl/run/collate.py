@@ -118,7 +118,7 @@ class Collator:
         self.open: dict[str, shards.OpenShard] = {}
         self.open_index = -1  # the shard being filled, or -1
         self.unjournaled: list[Line] = []
-        # the open shard files being fsynced in the writer threads, and the lines that makes durable
+        # the open shard files being fsynced in the writer threads, and the lines their fsyncs make durable
         self.syncing: tuple[list[Future[float]], list[Line]] | None = None
         self.in_flight: deque[_InFlight] = deque()
         self.spare: list[dict[str, np.ndarray]] = []  # batch buffers free to be filled again
