@@ -322,7 +322,7 @@ class _Builder:
         record = record_of(origin, batches, finished, discovery.items, self.report.errors, width, self.digests)
         notes = self.preprocessor.describe(self.pp_options) if self.preprocessor.describe else {}
         attrs = dataset_attrs(origin, self.report.errors, finished)
-        known = hashes_by_key(arrays, journal.sha256)
+        known = hashes_by_key(arrays, journal.hashes)
         publishing = time.monotonic()
         self.report.digest = publish(self.work, self.paths, attrs, record, notes, fingerprint, known, arrays)
         published(True)  # from here a stop signal changes nothing: the dataset is complete

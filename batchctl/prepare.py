@@ -140,7 +140,7 @@ def read_published(paths: BuildPaths, output: Output, keep_tail: bool) -> Publis
     except (OSError, FormatError) as exc:
         return Published(attrs, record_problem=f"its last shard cannot be kept open ({exc})")
     hashes = hashes_by_shard(arrays, info.shards, attrs.num_shards) if info else {}  # not read again
-    return Published(attrs, record, source_width=width, tail_chunks=tail, shard_sha256=hashes, arrays=arrays)
+    return Published(attrs, record, source_width=width, tail_chunks=tail, shard_hashes=hashes, arrays=arrays)
 
 
 def damaged_shards(paths: BuildPaths, published: Published, shards: Collection[int]) -> dict[int, str]:
@@ -151,14 +151,14 @@ def damaged_shards(paths: BuildPaths, published: Published, shards: Collection[i
     assert published.record is not None
     files, arrays = DatasetFiles(paths.url, paths.storage_options), published.arrays  # (read once, by read_published)
     checks = [
-        (shard, name, None if paths.remote else published.shard_sha256.get(shard, {}).get(name))
+        (shard, name, None if paths.remote else published.shard_hashes.get(shard, {}).get(name))
         for shard in sorted(shards)
         for name in sorted(arrays)
     ]
 
     def problem(check: tuple[int, str, str | None]) -> str | None:
-        shard, name, sha256 = check
-        return shard_problem(files, arrays[name].shard_key(shard), arrays[name].chunks_per_shard, sha256)
+        shard, name, known = check
+        return shard_problem(files, arrays[name].shard_key(shard), arrays[name].chunks_per_shard, known)
 
     found: dict[int, str] = {}
     with ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="batchctl-check") as pool:

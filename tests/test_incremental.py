@@ -17,6 +17,9 @@ import pytest
 
 import batchctl
 from batchctl.read.inspect import verify
+from batchctl.store.digest import shard_file_hash
+from batchctl.store.shardhash import OLD_SHARD_HASH
+from batchctl.store.zarrmeta import DatasetFiles
 from batchctl.synthetic import make_image_folder, photo
 
 from .conftest import PLUGINS, kill_group, run_cli, start_cli, wait_for, wait_group_gone
@@ -119,24 +122,51 @@ def test_only_an_added_file_rewrites_only_the_last_shard(folder: Path, tmp_path:
     assert all(after[name] == before[name] for name in before)  # the full shards kept as they were (linked)
 
 
-def test_a_dataset_of_an_earlier_batchctl_whole_file_hashes_is_updated_without_redoing_its_shards(
-    folder: Path, tmp_path: Path
+@pytest.mark.parametrize("earlier", ["whole-file SHA-256", "digest 2"])
+def test_a_dataset_of_an_earlier_batchctl_shard_hashes_is_updated_without_redoing_its_shards(
+    folder: Path, tmp_path: Path, earlier: str
 ) -> None:
-    """Shard hashes are now trees of chunk hashes: a build info holding an earlier batchctl's
-    whole-file SHA-256s is not trusted for them (nor taken for damage): its kept shards are
-    checked by their index, their hashes read again, and the digest is this version's."""
+    """Shard hashes are now trees of BLAKE3 chunk hashes (digest 3). A build info holding an
+    earlier batchctl's hashes is not taken for damage: whole-file SHA-256s (before digest 2) are
+    not trusted, the kept shards checked by their index; digest 2's SHA-256 trees still check
+    the kept shards' bytes. Either way the hashes are read again and the digest is this version's."""
     out = tmp_path / "data.zarr"
     build(folder, out)
     info = json.loads((out / "batchctl.build.json").read_text())
-    assert all(found.startswith("sha256-chunks:") for found in info["shards"].values())
-    info["shards"] = {key: hashlib.sha256((out / key).read_bytes()).hexdigest() for key in info["shards"]}
+    assert all(found.startswith("blake3-chunks:") for found in info["shards"].values())
+    if earlier == "digest 2":
+        files, per_shard = DatasetFiles(str(out)), batchctl.open(out).attrs.shard_batches
+        info["shards"] = {key: shard_file_hash(files, key, per_shard, OLD_SHARD_HASH) for key in info["shards"]}
+        assert all(found.startswith("sha256-chunks:") for found in info["shards"].values())
+    else:
+        info["shards"] = {key: hashlib.sha256((out / key).read_bytes()).hexdigest() for key in info["shards"]}
     (out / "batchctl.build.json").write_text(json.dumps(info))  # as an earlier batchctl wrote it
     new_image(tmp_path, folder / "cat" / "late.jpg", 7)
     report = build(folder, out)
     assert report["processed"] == 1 and report["kept_samples"] == 40 and "damaged" not in report["stderr"]
     assert verify(out) == []  # the digest recomputed from the files is the one published
     rebuilt = json.loads((out / "batchctl.build.json").read_text())["shards"]
-    assert all(found.startswith("sha256-chunks:") for found in rebuilt.values())
+    assert all(found.startswith("blake3-chunks:") for found in rebuilt.values())
+
+
+def test_a_kept_shard_changed_under_a_digest_2_hash_is_damage(folder: Path, tmp_path: Path) -> None:
+    """A digest 2 hash in the build info still vouches for the bytes of a shard kept whole: a
+    byte changed in it is found before the shard is linked into the new version."""
+    out = tmp_path / "data.zarr"
+    build(folder, out)
+    info = json.loads((out / "batchctl.build.json").read_text())
+    files, per_shard = DatasetFiles(str(out)), batchctl.open(out).attrs.shard_batches
+    info["shards"] = {key: shard_file_hash(files, key, per_shard, OLD_SHARD_HASH) for key in info["shards"]}
+    (out / "batchctl.build.json").write_text(json.dumps(info))
+    shard = out / "image" / "c" / "1" / "0" / "0" / "0"
+    data = shard.read_bytes()
+    shard.unlink()  # (a hard link of the work folder's past: edited in place, as damage would be)
+    shard.write_bytes(data[:100] + bytes([data[100] ^ 0xFF]) + data[101:])
+    new_image(tmp_path, folder / "cat" / "late.jpg", 7)
+    report = build(folder, out)
+    assert "shard 1 of the last build is damaged (image:" in report["stderr"], report["stderr"]
+    assert report["redone"]["count"] == 8 and report["processed"] == 9  # its 8 files, and the new one
+    assert verify(out) == []
 
 
 def test_an_interrupted_incremental_run_resumes(folder: Path, tmp_path: Path) -> None:

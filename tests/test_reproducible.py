@@ -13,7 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import batchctl
 from batchctl.run.reorder import Reorder
+from batchctl.store.digest import content_digest
+from batchctl.store.zarrmeta import DatasetFiles
 from batchctl.synthetic import make_image_folder
 
 from .conftest import PLUGINS, kill_group, run_cli, start_cli, wait_group_gone
@@ -157,6 +160,30 @@ def test_the_digest_changes_with_one_input_byte(tmp_path: Path) -> None:
     group.write_text(group.read_text().replace('"ignored": 0', '"ignored": 1'))
     result = run_cli("verify", third)
     assert result.returncode == 1 and "the content digest is" in result.stdout + result.stderr
+
+
+def test_a_dataset_published_with_digest_2_still_verifies(tmp_path: Path) -> None:
+    """Digest 3 hashes chunks with BLAKE3; a dataset an earlier batchctl published with digest 2
+    (SHA-256 chunk hashes) still verifies, and its digest still catches a changed attribute."""
+    folder = tmp_path / "arrays"
+    folder.mkdir()
+    for n in range(12):
+        np.save(folder / f"a{n:02d}.npy", np.arange(16, dtype=np.float32) + n)
+    out = tmp_path / "one.zarr"
+    build(folder, out, "--preprocess", "npy", "--batch-size", "4")
+    files = DatasetFiles(str(out))
+    old, shards = content_digest(files, files.arrays(), batchctl.open(out).attrs, version=2)
+    assert shards and all(found.startswith("sha256-chunks:") for found in shards.values())
+    new = digest_of(out)
+    assert old != new
+    group = out / "zarr.json"
+    group.write_text(group.read_text().replace(new, old))  # as digest 2 published it
+    assert digest_of(out) == old
+    result = run_cli("verify", out)
+    assert result.returncode == 0, result.stdout + result.stderr
+    group.write_text(group.read_text().replace('"ignored": 0', '"ignored": 1'))
+    result = run_cli("verify", out)
+    assert result.returncode == 1 and f"not the {old} it was published with" in result.stdout + result.stderr
 
 
 def test_the_reorder_places_chunks_in_dispatch_order() -> None:

@@ -81,7 +81,7 @@ class Published:
     record_problem: str = ""  # why its record is not used ("" when none is there or it is fine)
     source_width: int = 0  # its `source` column's width
     tail_chunks: Mapping[str, tuple[Chunk, ...]] = field(default_factory=dict)  # its short last shard's chunks
-    shard_sha256: Mapping[int, Mapping[str, str]] = field(default_factory=dict)  # shard -> {array: its file's hash}
+    shard_hashes: Mapping[int, Mapping[str, str]] = field(default_factory=dict)  # shard -> {array: its file's hash}
     damaged: Mapping[int, str] = field(default_factory=dict)  # shard -> why its files are not what was written
     arrays: Mapping[str, ArrayMeta] = field(default_factory=dict)  # its arrays' documents, as read
 
@@ -280,7 +280,7 @@ def _still_there(interrupted: Interrupted) -> Journaled:
         batches, partial = batches[:cut], None
     if not interrupted.partial_decodes:
         partial = None
-    return Journaled(batches, partial, done, sha256=journal.sha256)
+    return Journaled(batches, partial, done, hashes=journal.hashes)
 
 
 def _groups_there(interrupted: Interrupted) -> Journaled:
@@ -290,7 +290,7 @@ def _groups_there(interrupted: Interrupted) -> Journaled:
         raise Untrusted(interrupted.problem)
     journal = interrupted.journal
     groups = tuple(line for line in journal.groups if line.group in interrupted.groups_present)
-    return Journaled(journal.batches, None, journal.done_shards, groups, journal.sha256)
+    return Journaled(journal.batches, None, journal.done_shards, groups, journal.hashes)
 
 
 def _incremental_plan(request: Request, published: Published, notes: list[str]) -> tuple[Plan, Record] | None:
@@ -352,7 +352,7 @@ def _seed(request: Request, plan: Plan, record: Record, published: Published) ->
             continue
         lines.append(batch)
         if position == record.shard_batches - 1:
-            lines.append(ShardDone(batch.shard, published.shard_sha256.get(plan.kept_shards[batch.shard], {})))
+            lines.append(ShardDone(batch.shard, published.shard_hashes.get(plan.kept_shards[batch.shard], {})))
     damaged = tuple(sorted(published.damaged))
     seeded = Seeded(record.build_id, record.sha256, request.carry_from, tail, plan.kept_samples, damaged)
     state = State(request.spec, request.source, request.classes, request.engine, seeded)

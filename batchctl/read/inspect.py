@@ -12,7 +12,7 @@ import numpy as np
 from batchctl.errors import FormatError
 from batchctl.read.reader import Dataset
 from batchctl.store import codec, metadata, storage, zarrmeta
-from batchctl.store.digest import content_digest
+from batchctl.store.digest import published_digest_problem
 from batchctl.store.untrusted import parse_json
 
 
@@ -120,12 +120,8 @@ def _digest_problems(ds: Dataset) -> list[Problem]:
     with (a dataset of format version 2 has none)."""
     if ds.attrs.format_version < 3 or not ds.attrs.complete:
         return []
-    files = zarrmeta.DatasetFiles(ds.path, ds.storage_options)
-    found, _ = content_digest(files, files.arrays(), ds.attrs)
-    if found == ds.attrs.digest:
-        return []
-    published = ds.attrs.digest
-    return [Problem(zarrmeta.ZARR_JSON, f"the content digest is {found}, not the {published} it was published with")]
+    problem = published_digest_problem(zarrmeta.DatasetFiles(ds.path, ds.storage_options), ds.attrs)
+    return [] if problem is None else [Problem(zarrmeta.ZARR_JSON, problem)]
 
 
 def _chunk_bytes(ds: Dataset, name: str, arr: Any) -> int:

@@ -78,7 +78,7 @@ class _InFlight:
     order) and written; journaled once it and every batch before it are written and fsynced."""
 
     line: BatchLine  # its journal line, without its chunks' places until it is placed
-    encoding: Future[dict[str, list[tuple[list[Any], bytes]]]]  # each array's chunks: their pieces and SHA-256
+    encoding: Future[dict[str, list[tuple[list[Any], bytes]]]]  # each array's chunks: their pieces and hash
     buffers: dict[str, np.ndarray]
     writing: list[Future[None]] | None = None
     chunks: dict[str, Chunk] = field(default_factory=dict)  # filled in when placed
@@ -444,7 +444,7 @@ class Collator:
         for open_shard in self.open.values():
             open_shard.finish(self._shard_batches())  # its index, then fsync
         self.fsync_s += time.monotonic() - started
-        hashes = {name: open_shard.sha256() for name, open_shard in self.open.items()}
+        hashes = {name: open_shard.hash() for name, open_shard in self.open.items()}
         self.open = {}
         known = {name: found for name, found in hashes.items() if found is not None}
         self.unjournaled.append(ShardDone(self.open_index, known if len(known) == len(hashes) else {}))

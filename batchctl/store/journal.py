@@ -64,11 +64,11 @@ class BatchLine:
 @dataclass(frozen=True)
 class ShardDone:
     """Shard `shard` is finished: every batch of it is journaled and its index written.
-    `sha256`: each array's shard file's SHA-256, where the writer hashed it whole as it wrote it
+    `hashes`: each array's shard file's hash (`shardhash.shard_hash`), where the writer hashed it whole as it wrote it
     (the dataset's digest is made from these; a shard without one is read back to hash it)."""
 
     shard: int
-    sha256: Mapping[str, str] = field(default_factory=dict)
+    hashes: Mapping[str, str] = field(default_factory=dict)  # the journal's key: "sha256" (its name before digest 3)
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ Line = BatchLine | ShardDone | GroupLine
 def to_json(line: Line, chunks: bool = True) -> dict[str, Any]:
     """A line as it is written (`chunks=False`: as the record holds a batch)."""
     if isinstance(line, ShardDone):
-        return {"shard_done": line.shard, **({"sha256": dict(line.sha256)} if line.sha256 else {})}
+        return {"shard_done": line.shard, **({"sha256": dict(line.hashes)} if line.hashes else {})}
     files = [list(run) for run in line.files]
     if isinstance(line, GroupLine):
         return {"group": line.group, "full": line.full, "rows": line.rows, "files": files}
@@ -213,7 +213,7 @@ class Journaled:
     partial: BatchLine | None = None
     done_shards: int = 0
     groups: tuple[GroupLine, ...] = ()
-    sha256: Mapping[int, Mapping[str, str]] = field(default_factory=dict)  # finished shard -> its files' hashes
+    hashes: Mapping[int, Mapping[str, str]] = field(default_factory=dict)  # finished shard -> its files' hashes
 
     def lines(self) -> list[Line]:
         """The journal of just this, in order."""
@@ -222,7 +222,7 @@ class Journaled:
             out.append(batch)
             following = self.batches[number + 1].shard if number + 1 < len(self.batches) else None
             if batch.shard < self.done_shards and following != batch.shard:
-                out.append(ShardDone(batch.shard, self.sha256.get(batch.shard, {})))
+                out.append(ShardDone(batch.shard, self.hashes.get(batch.shard, {})))
         return out + ([self.partial] if self.partial else []) + list(self.groups)
 
     @property
@@ -264,8 +264,8 @@ def resolve(lines: Sequence[Line], batch_size: int) -> Journaled:
     done = 0
     for line in lines:
         if isinstance(line, ShardDone):
-            if line.shard == done and line.sha256:
-                hashes[done] = line.sha256
+            if line.shard == done and line.hashes:
+                hashes[done] = line.hashes
             done += line.shard == done
         elif isinstance(line, GroupLine):
             groups.append(line)

@@ -242,7 +242,7 @@ class BuildInfo:
     source: str
     fingerprint: str
     record_sha256: str
-    shards: dict[str, str] = field(default_factory=dict)  # each shard file's SHA-256, by key
+    shards: dict[str, str] = field(default_factory=dict)  # each shard file's hash (`shardhash.shard_hash`), by key
 
     def to_bytes(self) -> bytes:
         return (json.dumps(asdict(self), indent=2) + "\n").encode()

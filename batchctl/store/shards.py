@@ -55,11 +55,11 @@ class OpenShard:
         return chunk
 
     def add_digest(self, digest: bytes) -> None:
-        """The next chunk's SHA-256 (`digest.chunk_digest`), in placement order."""
+        """The next chunk's hash (`shardhash.chunk_digest`), in placement order."""
         if self.digests is not None:
             self.digests.append(digest)
 
-    def sha256(self) -> str | None:
+    def hash(self) -> str | None:
         """The finished file's hash (`digest.shard_hash`), or None where not all written here (resumed)."""
         return None if self.digests is None else shard_hash(self.digests, self.index)
 
