@@ -183,9 +183,26 @@ def check_goals(results: dict[str, Any]) -> list[tuple[str, bool]]:
         goals.extend(_loader_goals(results["loader"], results.get("read_peers") or {}))
     if "remote" in results:
         goals.extend(_remote_goals(results["remote"]))
+    if "scaling" in results:
+        goals.extend(_scaling_goals(results["scaling"]))
     for text, met in goals:
         print(f"[{'met' if met else 'NOT met'}] {text}")
     return goals
+
+
+def _scaling_goals(scaling: dict[str, Any]) -> list[tuple[str, bool]]:
+    """Issue 47: 16 workers >= 0.85 x 16 x the rate at 1; on fewer cores, the table's last row said."""
+    rows = {row["workers"]: row for row in scaling["rows"]}
+    for workers, row in sorted(rows.items()):
+        print(
+            f"[info] scaling, {workers} workers on {scaling['cores']} cores: {row['files_per_s']:.0f} photos/s, "
+            f"{row['vs_workers_x_rate_at_1']:.2f} x W x the rate at 1; busiest thread beside the workers "
+            f"{row['busiest_other_thread']} at {row['its_cpu_over_a_workers']} of a worker's CPU"
+        )
+    if 16 not in rows:
+        return []
+    ratio = rows[16]["vs_workers_x_rate_at_1"]
+    return [(f"16 workers >= 0.85 x 16 x the rate at 1 worker: {ratio:.2f}", ratio >= 0.85)]
 
 
 def _loader_goals(loader: dict[str, Any], peers: dict[str, Any]) -> list[tuple[str, bool]]:

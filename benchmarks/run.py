@@ -597,6 +597,7 @@ SECTIONS = [
     "read_once",
     "remote",
     "encoded",
+    "scaling",
 ]
 
 
@@ -673,6 +674,10 @@ def main() -> None:
             from encoded import bench_encoded
 
             bench_encoded(root, results, lambda src, out, *extra: batchctl_cmd(src, out, CORES, *extra))
+        if "scaling" in todo:
+            from scaling import bench_scaling
+
+            bench_scaling(root, results)
         if "remote" in todo:
             from remote import bench_remote
 
