@@ -1,7 +1,7 @@
 """Issue 47's scaling table: the card's command (`batchctl build PHOTOS --workers W`, default
 options) at W = 1, 4, 8, 16 (those this machine's cores allow, and all of them), each on a photo
 set sized for about `seconds` of work at W x the serial rate, with every thread's CPU (the
-per-thread table: each role's busiest thread over the mean worker's). The goal: the rate at 16
+per-thread table: each role's busiest thread over the mean worker's, and all of them together). The goal: the rate at 16
 workers >= 0.85 x 16 x the rate at 1.
 
     python run.py --only scaling                   # inside `make bench`'s harness
@@ -53,6 +53,7 @@ def bench_scaling(root: Path, results: dict[str, Any], seconds: float = 30.0) ->
         shutil.rmtree(photos, ignore_errors=True)
         roles = role_cpu(threads)
         worker = roles.pop("batchctl-worker/main", 0.0)
+        beside = sum(cpu for role, cpu in threads.values() if role != "batchctl-worker/main")
         busiest = max(roles, key=lambda role: roles[role], default="")
         rows.append(
             {
@@ -63,6 +64,7 @@ def bench_scaling(root: Path, results: dict[str, Any], seconds: float = 30.0) ->
                 "peak_rss_mib": round(peak / 2**20),
                 "busiest_other_thread": busiest,
                 "its_cpu_over_a_workers": round(roles.get(busiest, 0.0) / worker, 4) if worker else None,
+                "all_beside_workers_over_a_workers": round(beside / worker, 4) if worker else None,
                 "roles_cpu_over_a_workers": {
                     role: round(cpu / worker, 4) for role, cpu in sorted(roles.items()) if worker
                 },
