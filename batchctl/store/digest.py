@@ -129,9 +129,10 @@ def published_digest_problem(files: DatasetFiles, attrs: DatasetAttrs) -> str | 
 
 
 def shard_file_hash(files: DatasetFiles, key: str, per_shard: int, scheme: str = SHARD_HASH) -> str:
-    """The shard file `key`'s hash (`shard_hash` of `scheme`), read from the file: its index, then each of
-    its chunks (in pieces of at most a chunk). "missing", "not a regular file", or a hash of no
-    scheme (`damaged: ...`) where the file is not a shard whose chunks and index tile it."""
+    """The shard file `key`'s hash (`shard_hash` of `scheme`), read from the file: its index,
+    then each of its chunks (in pieces of at most a chunk). "missing", "not a regular file", or
+    a hash of no scheme (`damaged: ...`) where the file is not a shard whose chunks and index
+    tile it."""
     try:
         with _reader(files, key) as (size, read):
             try:

@@ -64,8 +64,9 @@ class BatchLine:
 @dataclass(frozen=True)
 class ShardDone:
     """Shard `shard` is finished: every batch of it is journaled and its index written.
-    `hashes`: each array's shard file's hash (`shardhash.shard_hash`), where the writer hashed it whole as it wrote it
-    (the dataset's digest is made from these; a shard without one is read back to hash it)."""
+    `hashes`: each array's shard file's hash (`shardhash.shard_hash`), where the writer hashed
+    it whole as it wrote it (the dataset's digest is made from these; a shard without one is
+    read back to hash it)."""
 
     shard: int
     hashes: Mapping[str, str] = field(default_factory=dict)  # the journal's key: "sha256" (its name before digest 3)
