@@ -15,11 +15,12 @@ import pytest
 
 import batchctl
 from batchctl.run.reorder import Reorder
-from batchctl.store.digest import content_digest
+from batchctl.store.digest import content_digest, shard_file_hash
+from batchctl.store.shardhash import OLD_SHARD_HASH
 from batchctl.store.zarrmeta import DatasetFiles
 from batchctl.synthetic import make_image_folder
 
-from .conftest import PLUGINS, kill_group, run_cli, start_cli, wait_group_gone
+from .conftest import PLUGINS, kill_group, run_cli, start_cli, wait_for, wait_group_gone
 from .test_incremental import change_files
 
 SMALL = ["--resize", "32", "--crop", "32", "--batch-size", "8", "--shard-batches", "2"]
@@ -184,6 +185,46 @@ def test_a_dataset_published_with_digest_2_still_verifies(tmp_path: Path) -> Non
     group.write_text(group.read_text().replace('"ignored": 0', '"ignored": 1'))
     result = run_cli("verify", out)
     assert result.returncode == 1 and f"not the {old} it was published with" in result.stdout + result.stderr
+
+
+def test_a_build_interrupted_under_digest_2_resumes_to_the_same_bytes_and_digest(photos: Path, tmp_path: Path) -> None:
+    """A nightly build stopped by the last batchctl (its journal's finished shards carry digest
+    2's SHA-256 trees) and resumed by this one: those hashes are not used for the new digest
+    (the shards are read again), and the dataset is the uninterrupted build's, digest included."""
+    whole = tmp_path / "whole.zarr"
+    build(photos, whole, *SLOW, "--workers", "2")
+    out = tmp_path / "out.zarr"
+    journal = tmp_path / ".out.zarr.batchctl" / "journal.jsonl"
+
+    def hashed_shards() -> list[dict]:
+        lines = [json.loads(text) for text in journal.read_text().splitlines()] if journal.exists() else []
+        return [line for line in lines if "sha256" in line]
+
+    proc = start_cli("build", photos, "-o", out, *SLOW, "--workers", "2", "--quiet")
+    wait_for(lambda: len(hashed_shards()) >= 2)
+    kill_group(proc, signal.SIGKILL)  # (nothing more is journaled)
+    proc.communicate(timeout=60)
+    assert wait_group_gone(proc.pid) == []
+    staging = DatasetFiles(str(tmp_path / ".out.zarr.batchctl" / "staging.zarr"))
+    arrays = staging.arrays()
+    rewritten = []
+    for text in journal.read_text().splitlines():
+        line = json.loads(text)
+        if "sha256" in line:  # as the last batchctl journaled a finished shard
+            shard = line["shard_done"]
+            line["sha256"] = {
+                name: shard_file_hash(
+                    staging, arrays[name].shard_key(shard), arrays[name].chunks_per_shard, OLD_SHARD_HASH
+                )
+                for name in line["sha256"]
+            }
+            assert all(found.startswith("sha256-chunks:") for found in line["sha256"].values())
+        rewritten.append(json.dumps(line))
+    journal.write_text("".join(f"{text}\n" for text in rewritten))
+    build(photos, out, *SLOW, "--workers", "2")
+    assert tree(out) == tree(whole)
+    assert digest_of(out) == digest_of(whole)
+    assert run_cli("verify", out).returncode == 0
 
 
 def test_the_reorder_places_chunks_in_dispatch_order() -> None:
