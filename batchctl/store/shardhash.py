@@ -3,8 +3,8 @@ where they are encoded, many at once, and no one thread hashes every byte a buil
 No imports from batchctl: the journal, the shard writer and the digest all use it.
 
 Digest 3 hashes with BLAKE3 (`blake3-chunks`): 5.9 GB/s on one core here against SHA-256's
-1.8 (with the CPU's SHA instructions), and hashing every chunk was half the collator's CPU, the
-largest cost a build pays beside its workers. Digest 2's `sha256-chunks` is kept so that a
+1.8 (with the CPU's SHA instructions), and hashing every chunk was about a third of the
+collator's CPU, the largest single cost a build pays beside its workers. Digest 2's `sha256-chunks` is kept so that a
 dataset published with it still verifies."""
 
 from __future__ import annotations
