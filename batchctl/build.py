@@ -325,7 +325,6 @@ class _Builder:
         known = hashes_by_key(arrays, journal.hashes)
         publishing = time.monotonic()
         self.report.digest = publish(self.work, self.paths, attrs, record, notes, fingerprint, known, arrays)
-        published(True)  # from here a stop signal changes nothing: the dataset is complete
         self.report.timings["publish_s"] = round(time.monotonic() - publishing, 3)
         for warning in self.work.warnings:
             self.progress.info(warning)

@@ -48,6 +48,29 @@ def test_every_signal_at_any_moment_ends_cleanly(photos: Path, tmp_path: Path) -
     assert killed >= 2  # the SIGKILLs came while the build ran (a build of it at most 70% through)
 
 
+def test_a_signal_once_the_dataset_is_in_place_ends_the_build_as_finished(photos: Path, tmp_path: Path) -> None:
+    """SIGTERM while the build deletes its old work, after the dataset was put in place: the
+    build is finished (exit 0, its summary), not "interrupted" beside a complete dataset (the
+    random-moment sweep above once caught such a 143 at the publish)."""
+    code = (
+        "import os, runpy, signal, sys\n"
+        "from batchctl.run import staging\n"
+        "def discard(self, original=staging.LocalWorkdir.discard):\n"
+        "    if self.paths.output.exists():  # (during the publish: the dataset is in place)\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    original(self)\n"
+        "staging.LocalWorkdir.discard = discard\n"
+        "sys.argv = ['batchctl', *sys.argv[1:]]\n"
+        "runpy.run_module('batchctl', run_name='__main__')\n"
+    )
+    out = tmp_path / "out.zarr"
+    args = ["build", str(photos), "-o", str(out), "--workers", "2", "--resize", "32", "--crop", "32"]
+    result = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "interrupted" not in result.stderr and "Built" in result.stderr, result.stderr
+    assert run_cli("verify", out).returncode == 0
+
+
 def test_a_planted_symlink_at_the_lock_is_refused(photos: Path, tmp_path: Path) -> None:
     victim = tmp_path / "precious.txt"
     victim.write_text("keep me")

@@ -28,6 +28,7 @@ from typing import Any
 
 from batchctl.errors import UsageError
 from batchctl.run.processes import signals_ignored
+from batchctl.run.signals import published
 from batchctl.store import journal, storage
 from batchctl.store.journal import Untrusted
 from batchctl.store.untrusted import LOG_BYTES, parse_json, read_regular
@@ -205,7 +206,8 @@ class Workdir(ABC):
         killed at any point of this is either resumed (the dataset at OUTPUT is not yet
         `build_id`'s) or finished by the next run's `recover` (it is): once the dataset is in
         place, the work's staging dataset is the *previous* one and must never be resumed.
-        SIGINT/SIGTERM wait until the dataset is in place and the state is gone."""
+        SIGINT/SIGTERM wait until the dataset is in place and the state is gone, and from then on
+        change nothing (`signals.published`): the command ends as a finished build, exit 0."""
 
     @abstractmethod
     def recover(self, published_id: str | None) -> str | None:
@@ -328,7 +330,8 @@ class LocalWorkdir(Workdir):
                 os.rename(paths.staging, paths.output)
             _fsync_dir(paths.output.parent)
             self._finish_publish()
-        self.discard()  # the old dataset: its deletion may be interrupted freely
+            published(True)  # before signals count again: from here a stop signal changes nothing
+        self.discard()  # the old dataset: its deletion may be interrupted freely (a rerun ends it)
 
     def _finish_publish(self) -> None:
         """After the dataset is at OUTPUT: the state goes (nothing left to resume), and a record
@@ -462,6 +465,7 @@ class RemoteWorkdir(Workdir):
             self.fs.pipe_file(self._work_key(PUBLISHING), build_id.encode())
             mark_complete()
             self._finish_publish()
+            published(True)  # before signals count again: from here a stop signal changes nothing
         self.discard()
 
     def _finish_publish(self) -> None:
