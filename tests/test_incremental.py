@@ -10,6 +10,7 @@ import random
 import shutil
 import signal
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -135,9 +136,7 @@ def test_a_dataset_of_an_earlier_batchctl_shard_hashes_is_updated_without_redoin
     info = json.loads((out / "batchctl.build.json").read_text())
     assert all(found.startswith("blake3-chunks:") for found in info["shards"].values())
     if earlier == "digest 2":
-        files, per_shard = DatasetFiles(str(out)), batchctl.open(out).attrs.shard_batches
-        info["shards"] = {key: shard_file_hash(files, key, per_shard, OLD_SHARD_HASH) for key in info["shards"]}
-        assert all(found.startswith("sha256-chunks:") for found in info["shards"].values())
+        info["shards"] = digest_2_hashes(out, info["shards"])
     else:
         info["shards"] = {key: hashlib.sha256((out / key).read_bytes()).hexdigest() for key in info["shards"]}
     (out / "batchctl.build.json").write_text(json.dumps(info))  # as an earlier batchctl wrote it
@@ -149,14 +148,21 @@ def test_a_dataset_of_an_earlier_batchctl_shard_hashes_is_updated_without_redoin
     assert all(found.startswith("blake3-chunks:") for found in rebuilt.values())
 
 
+def digest_2_hashes(out: Path, keys: Iterable[str]) -> dict[str, str]:
+    """The shard files `keys` of the dataset at `out` hashed as batchctl did before digest 3."""
+    files, per_shard = DatasetFiles(str(out)), batchctl.open(out).attrs.shard_batches
+    hashes = {key: shard_file_hash(files, key, per_shard, OLD_SHARD_HASH) for key in keys}
+    assert all(found.startswith("sha256-chunks:") for found in hashes.values())
+    return hashes
+
+
 def test_a_kept_shard_changed_under_a_digest_2_hash_is_damage(folder: Path, tmp_path: Path) -> None:
     """A digest 2 hash in the build info still vouches for the bytes of a shard kept whole: a
     byte changed in it is found before the shard is linked into the new version."""
     out = tmp_path / "data.zarr"
     build(folder, out)
     info = json.loads((out / "batchctl.build.json").read_text())
-    files, per_shard = DatasetFiles(str(out)), batchctl.open(out).attrs.shard_batches
-    info["shards"] = {key: shard_file_hash(files, key, per_shard, OLD_SHARD_HASH) for key in info["shards"]}
+    info["shards"] = digest_2_hashes(out, info["shards"])
     (out / "batchctl.build.json").write_text(json.dumps(info))
     shard = out / "image" / "c" / "1" / "0" / "0" / "0"
     data = shard.read_bytes()

@@ -124,7 +124,7 @@ class Collator:
         self.spare: list[dict[str, np.ndarray]] = []  # batch buffers free to be filled again
         self.threads = ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="batchctl-write")
         # copies each output's rows into its batch, in the order given; then frees what they were
-        # copied from (`then`): the main thread only places rows, one thread moves their bytes
+        # copied from (`hand_over_copies`): the main thread only places rows, one thread moves their bytes
         self.copier = ThreadPoolExecutor(1, thread_name_prefix="batchctl-copy")
         self.moves: list[tuple[np.ndarray, np.ndarray]] = []  # (into, rows) placed, not yet handed to it
         self.last_sync = time.monotonic()
@@ -260,15 +260,11 @@ class Collator:
             if batch.rows == self.layout.batch_size:
                 self._write_batch()
 
-    def then(self, action: Callable[[], None]) -> None:
-        """Run `action` once the rows added so far are copied (a ring slot freed after its rows):
-        one job for a chunk's copies and its slot (a job handed to a thread costs ~40 us here)."""
-        self._hand_over_moves(action)
-
-    def _hand_over_moves(self, action: Callable[[], None] | None = None) -> None:
-        """Give the copy thread the rows placed so far (and `action`, to run after them), as
-        one job the batch being filled waits for before it is encoded."""
-        job = self.copier.submit(_copy_rows, self.moves, action)
+    def hand_over_copies(self, then: Callable[[], None] | None = None) -> None:
+        """Give the copy thread the rows placed so far, and `then` to run once they are copied
+        (a ring slot freed after its rows), as one job the batch being filled waits for before
+        it is encoded: one job for a chunk's copies and its slot (a job costs ~40 us here)."""
+        job = self.copier.submit(_copy_rows, self.moves, then)
         self.moves = []
         if self.batch is not None:  # (none before the first row: a first output rejected)
             self.batch.copies.append(job)
@@ -333,7 +329,7 @@ class Collator:
             columns[metadata.values_array(field_name)] = values
         line = BatchLine(self.next_batch, self.open_index, rows, tuple(batch.entries))
         if self.moves:  # its rows' copies not yet handed over
-            self._hand_over_moves()
+            self.hand_over_copies()
         encoding = self.threads.submit(self._encode, columns, batch.copies)
         self.in_flight.append(_InFlight(line, encoding, batch.columns))
         self.samples += rows
@@ -627,7 +623,7 @@ class Placement:
         if isinstance(body, InRing):
             ring = self.ring
             assert ring is not None
-            self.collator.then(lambda: ring.release(body))
+            self.collator.hand_over_copies(then=lambda: ring.release(body))
 
 
 def _owned(output: TaskOutput) -> TaskOutput:

@@ -49,13 +49,13 @@ def shard_keys(arrays: Mapping[str, ArrayMeta], attrs: DatasetAttrs) -> dict[str
 
 
 def hashes_by_key(arrays: Mapping[str, ArrayMeta], by_shard: Mapping[int, Mapping[str, str]]) -> dict[str, str]:
-    """Shard files' hashes by file key, from the journal's shape (shard -> {array: hash}); a
-    hash of another scheme is left out (the shard is read again)."""
+    """Shard files' hashes by file key, from the journal's shape (shard -> {array: hash});
+    `content_digest` uses those of its own scheme (a shard of another is read again)."""
     return {
         arrays[name].shard_key(shard): found
         for shard, hashes in by_shard.items()
         for name, found in hashes.items()
-        if name in arrays and ours(found)
+        if name in arrays
     }
 
 
@@ -182,7 +182,7 @@ def shard_problem(files: DatasetFiles, key: str, per_shard: int, known: str | No
     read), else an index that does not read or chunks that do not end where the index does (one
     ranged read of its index, as on an object store)."""
     scheme = None if known is None else scheme_of(known)
-    if known is not None and scheme is not None:
+    if scheme is not None:
         found = shard_file_hash(files, key, per_shard, scheme)
         if found == known:
             return None
