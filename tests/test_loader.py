@@ -114,7 +114,8 @@ def test_every_sample_once_in_batches_of_any_size(
 
 
 def test_ranks_share_one_order(numbered: Path) -> None:
-    """Every world size dividing the partitions gets world size 1's order, each rank reading its own stored batches."""
+    """Every world size dividing the partitions gets world size 1's order, each rank reading its
+    own stored batches (a cut between two shares may split one between them)."""
     ds = batchctl.open(numbered)
     options = {"batch_size": 6, "mix": 4, "seed": 3, "partitions": 12}
     whole = ds.loader(**options)
@@ -134,7 +135,8 @@ def test_ranks_share_one_order(numbered: Path) -> None:
         ]
         where = stored_batch_of(ds)
         stored = [{where[n] for b in share for n in b} for share in shares]
-        assert sum(map(len, stored)) == len(set().union(*stored))  # no stored batch read by two ranks
+        # no stored batch read by two ranks, but those a cut between two of the 12 shares splits
+        assert sum(map(len, stored)) - len(set().union(*stored)) <= 12 - 1
     padded = [epoch_ids(ds.loader(batch_size=25, drop_last=False, rank=r, world_size=3)) for r in range(3)]
     assert [len(p) for p in padded] == [3, 3, 3]  # 9 batches of <= 25 rows; the last round filled from the first
     assert sorted(n for p in padded for b in p for n in b)[: ds.num_samples] == list(range(ds.num_samples))
@@ -339,7 +341,8 @@ def test_a_damaged_chunk_read_by_the_loader_is_a_format_error(tmp_path: Path) ->
 def test_ranks_and_dataloader_workers_read_each_stored_byte_once(numbered: Path) -> None:
     """4 ranks (processes with torchrun's environment) x 2 DataLoader workers: the bytes their
     processes read, as the kernel counts them, are the stored bytes once, plus a shard index per
-    consumer; together they take the one order of 8 partitions, every row once."""
+    consumer and the stored batches a cut between two shares splits (at most one a cut); together
+    they take the one order of 8 partitions, every row once."""
     pytest.importorskip("torch")
     options = {"batch_size": 6, "mix": 4, "seed": 1}
     grid = json.loads((numbered / "array" / "zarr.json").read_text())["chunk_grid"]["configuration"]
@@ -349,9 +352,11 @@ def test_ranks_and_dataloader_workers_read_each_stored_byte_once(numbered: Path)
         consumers = world * workers
         ranks = run_ranks(numbered, world, workers, options)
         read = sum(rank["read"] for rank in ranks)
-        assert read <= 1.05 * stored + consumers * index, (world, workers, read / stored)
+        one = stored / len(batchctl.open(numbered))  # a stored batch's bytes
+        assert read <= 1.01 * stored + (consumers - 1) * one + consumers * index, (world, workers, read / stored)
         order = batchctl.open(numbered).loader(**options, partitions=consumers).order(0)
-        want = [str(s) for j in range(order.batches) for s in _sources_of(numbered, order.rows(j))]
+        taken = order.batches - order.batches % world  # (drop_last: the last round the ranks cannot share)
+        want = [str(s) for j in range(taken) for s in _sources_of(numbered, order.rows(j))]
         got = [s for rank in ranks for s in rank["sources"]]
         assert sorted(got) == sorted(want) and len(set(got)) == len(got)  # every row of the order once
 
@@ -674,17 +679,17 @@ def test_set_epoch_of_another_epoch_after_a_resume_says_so_in_one_line(
 
 def test_too_many_ranks_or_too_big_a_batch_for_an_epoch_is_one_line_not_an_empty_epoch(numbered: Path) -> None:
     ds = batchctl.open(numbered)  # 205 samples
-    # 20 partitions of 26 stored batches of 8: some partition has a single one, no batch of 9
-    for options in ({"batch_size": 9, "world_size": 20, "rank": 3}, {"batch_size": 4000}):
+    # 22 batches of 9 for 23 ranks: some rank would have none (23 with the short one)
+    for options in ({"batch_size": 9, "world_size": 23, "rank": 3}, {"batch_size": 4000}):
         with pytest.raises(batchctl.UsageError) as refused:
             ds.loader(**options)  # type: ignore[arg-type]
         assert "\n" not in str(refused.value) and "drop_last=False" in str(refused.value)
-    with pytest.raises(batchctl.UsageError, match="26 stored batches cannot be dealt to 64 partitions") as refused:
-        ds.loader(batch_size=6, world_size=64, rank=3, drop_last=False)  # each stored batch is read by one rank
-    assert "\n" not in str(refused.value)
-    # the documented padding: every rank takes as many steps, a partition repeating its first batches
+    wide = ds.loader(batch_size=6, world_size=64, rank=3, drop_last=False)  # 35 batches, 29 of them twice
+    assert len(wide) == 1 and wide.padding == 29 * 6
+    # the documented padding: every rank takes as many steps, the last round from the epoch's first batches
     padded = [epoch_ids(ds.loader(batch_size=9, world_size=20, rank=r, drop_last=False)) for r in range(20)]
-    assert len({len(share) for share in padded}) == 1
+    assert {len(share) for share in padded} == {2}  # 23 batches: 17 of them taken twice
+    assert ds.loader(batch_size=9, world_size=20, rank=0, drop_last=False).padding == 17 * 9
     assert {n for share in padded for batch in share for n in batch} == set(range(ds.num_samples))
 
 

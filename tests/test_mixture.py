@@ -166,8 +166,8 @@ def test_a_rebuilt_source_or_unlike_fields_are_refused_in_one_line(sources: dict
     assert set(batch) == {"label", "dataset"} and len(batch["label"]) == 10
     with pytest.raises(batchctl.UsageError, match="gets no row of a batch of 10"):
         batchctl.mix(opened(sources), {"big": 0.99, "small": 0.01}, batch_size=10)
-    with pytest.raises(batchctl.UsageError, match="'small' has 15 stored batches, fewer than the 16 partitions"):
-        batchctl.mix(opened(sources), {"big": 1, "small": 1}, batch_size=10, partitions=16)
+    with pytest.raises(batchctl.UsageError, match="'small' has 60 rows, fewer than the 64 partitions"):
+        batchctl.mix(opened(sources), {"big": 1, "small": 1}, batch_size=10, partitions=64)
 
 
 def test_iterable_batches_reads_a_mixture_through_dataloader_workers_and_resumes(sources: dict[str, Path]) -> None:

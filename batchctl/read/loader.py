@@ -25,7 +25,16 @@ import numpy as np
 
 from batchctl.errors import ResumeMismatchError, UsageError, warn
 from batchctl.read.augment import Crop, Decoded, image_fields
-from batchctl.read.order import EpochOrder, OrderOptions, check_rank, consumer_steps, family_problem
+from batchctl.read.order import (
+    ORDER_VERSION,
+    EpochOrder,
+    OrderOptions,
+    check_rank,
+    consumer_steps,
+    earlier_order_problem,
+    family_problem,
+    padding_rows,
+)
 from batchctl.store.metadata import SOURCE
 
 STATE_FORMAT = "batchctl.loader/1"
@@ -294,6 +303,13 @@ class Loader:
         """This rank's steps left in the current epoch (all of them before a pass begins)."""
         return len(self.batches())
 
+    @property
+    def padding(self) -> int:
+        """Rows the current epoch hands out twice, all ranks together: without `drop_last`, the
+        last round's batches are taken from the epoch's first ones so that every rank has as
+        many steps (fewer than world_size batches; 0 on one rank, or when the batches divide)."""
+        return padding_rows(self.order(), 0, self.world_size)
+
     def __iter__(self) -> Iterator[Batch]:
         self._loaded = None
         order, steps = self.order(), self.batches()
@@ -335,6 +351,7 @@ class Loader:
             "options": asdict(self.options),
             "epoch": self.epoch,
             "position": self.position,
+            "order": ORDER_VERSION,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -370,6 +387,8 @@ class Loader:
         epoch, position = state.get("epoch"), state.get("position")
         if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63 for v in (epoch, position)):
             raise ResumeMismatchError(f"the state's epoch and position are not ints >= 0: {epoch!r}, {position!r}")
+        if position and (problem := earlier_order_problem(state, partitions)):
+            raise ResumeMismatchError(problem)
         total = self._order_of(dataclasses.replace(self.options, partitions=partitions), cast(int, epoch)).batches
         if position and position >= total:
             raise ResumeMismatchError(
@@ -426,17 +445,11 @@ def read_into(
 
 def _empty_epoch(dataset: BatchSource, options: OrderOptions, order: EpochOrder, ranks: int) -> str:
     """Why an epoch leaves a rank without a batch, and what to change."""
-    if len(order.visit) < options.partitions:
-        return (
-            f"{len(order.visit)} stored batches cannot be dealt to {options.partitions} partitions (one per rank "
-            "x DataLoader worker unless partitions= says), each read by one consumer: use fewer ranks, workers or "
-            "partitions"
-        )
     return (
         f"{dataset.num_samples} samples in stored batches of {dataset.batch_size}, cut into {options.partitions} "
         f"partitions, make {order.batches} batches of {options.batch_size} an epoch for {ranks} ranks: lower "
         "batch_size or the ranks, DataLoader workers or partitions"
-        + ("" if order.batches else ", or pass drop_last=False")
+        + (", or pass drop_last=False" if options.drop_last and order.share_batches.sum() >= ranks else "")
     )
 
 
@@ -549,7 +562,7 @@ class _GroupReads:
         taken = np.isin(batch, list(self.wanted & set(np.unique(batch).tolist())))
         target_batch = np.full(len(order.stored_of_group(key)) * order.stored_batch, -1, dtype=np.int64)
         target_place = np.zeros_like(target_batch)
-        layout = order.in_group(order.group_rows(key))
+        layout = order.in_group(order.group_rows(key), key)
         target_batch[layout[taken]], target_place[layout[taken]] = batch[taken], place[taken]
         for j in np.unique(batch[taken]).tolist():
             if j not in self.outputs:
@@ -590,6 +603,9 @@ class _GroupReads:
         objects = [self._objects(groups[group]) for group, _ in parts]  # every read of the batch's groups done
         out = self.outputs.pop(batch)
         for name in self.objects:
-            placed = [found[name][self.order.in_group(rows)] for found, (_, rows) in zip(objects, parts, strict=True)]
+            placed = [
+                found[name][self.order.in_group(rows, group)]
+                for found, (group, rows) in zip(objects, parts, strict=True)
+            ]
             out[name] = np.concatenate(placed) if len(placed) > 1 else placed[0]
         return {name: out[name] for name in self.dataset.fields}

@@ -44,7 +44,15 @@ from batchctl.read.loader import (
     ragged_output,
     read_into,
 )
-from batchctl.read.order import EpochOrder, OrderOptions, check_rank, consumer_steps, family_problem
+from batchctl.read.order import (
+    ORDER_VERSION,
+    EpochOrder,
+    OrderOptions,
+    check_rank,
+    consumer_steps,
+    earlier_order_problem,
+    family_problem,
+)
 from batchctl.read.views import FieldsOf, Readable
 from batchctl.store.metadata import SOURCE
 
@@ -222,16 +230,15 @@ class MixedLoader:
         return self.options.mix
 
     def _make_streams(self) -> list[_Stream]:
-        """Each source's stream; one with fewer stored batches than partitions is refused (each
-        partition reads stored batches of its own)."""
+        """Each source's stream; one with fewer rows than partitions is refused (each partition
+        reads rows of its own)."""
         streams = [_Stream(name, self.sources[name], self.options) for name in self.names]
         for stream in streams:
-            stored = len(stream.order(0).visit)
-            if stored < self.options.partitions:
+            if stream.dataset.num_samples < self.options.partitions:
                 raise UsageError(
-                    f"source {stream.name!r} has {stored} stored batches, fewer than the {self.options.partitions} "
-                    "partitions (one per rank unless partitions= says), each reading stored batches of its own: use "
-                    "fewer ranks or partitions"
+                    f"source {stream.name!r} has {stream.dataset.num_samples} rows, fewer than the "
+                    f"{self.options.partitions} partitions (one per rank unless partitions= says), each reading rows "
+                    "of its own: use fewer ranks or partitions"
                 )
         return streams
 
@@ -340,6 +347,7 @@ class MixedLoader:
             "position": self.position,
             "anchor_steps": list(self.anchor_steps),
             "offsets": {name: list(values) for name, values in self.offsets.items()},
+            "order": ORDER_VERSION,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -383,6 +391,8 @@ class MixedLoader:
         for name, value in dataclasses.asdict(self.options).items():
             if options.get(name) != value and (name != "partitions" or self.partitions_given):
                 raise ResumeMismatchError(f"the state was saved with {name}={options.get(name)!r}, this has {value!r}")
+        if problem := earlier_order_problem(state, partitions):  # (its streams' offsets too)
+            raise ResumeMismatchError(problem)
         try:
             numbers = [state["epoch"], state["position"], *state["anchor_steps"], *state["counts"].values()]
             numbers += [v for name in self.names for v in state["offsets"][name]]
