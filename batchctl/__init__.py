@@ -26,6 +26,7 @@ _EXPORTS = {
     "IncompleteDatasetError": "batchctl.errors",
     "LockedError": "batchctl.errors",
     "ResumeMismatchError": "batchctl.errors",
+    "StoreError": "batchctl.store.storage",
     "UsageError": "batchctl.errors",
 }
 
@@ -41,6 +42,7 @@ __all__ = [
     "IncompleteDatasetError",
     "LockedError",
     "ResumeMismatchError",
+    "StoreError",
     "UsageError",
     "build",
     "mix",
@@ -63,6 +65,7 @@ if TYPE_CHECKING:
     from batchctl.read.mixture import mix
     from batchctl.read.reader import Dataset, open
     from batchctl.report import BuildReport
+    from batchctl.store.storage import StoreError
 
 
 def __getattr__(name: str) -> Any:

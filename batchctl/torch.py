@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset as TorchDataset, IterableDataset, get_worker_info
 
-from batchctl.errors import ResumeMismatchError
+from batchctl.errors import ResumeMismatchError, UsageError
 from batchctl.read.loader import Loader
 from batchctl.read.mixture import MixedLoader
 from batchctl.read.reader import Dataset
@@ -103,11 +103,33 @@ class _Pass:
     yielded: int = 0
 
 
+def _rank_and_world_size(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """As given; else `torch.distributed`'s, when a process group is initialised; else torchrun's
+    environment (RANK, WORLD_SIZE), so that ranks started by torchrun before (or without) a
+    process group do not each read the whole epoch; else one rank."""
+    if dist.is_available() and dist.is_initialized():
+        found = (dist.get_rank(), dist.get_world_size())
+    else:
+        found = (_environment_int("RANK", 0), _environment_int("WORLD_SIZE", 1))
+    return (found[0] if rank is None else rank, found[1] if world_size is None else world_size)
+
+
+def _environment_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise UsageError(f"the environment's {name}={value!r} is not a number (torchrun sets it)") from None
+
+
 class IterableBatches(IterableDataset[dict[str, Any]]):
     """This rank's batches of `Dataset.loader`'s order, epoch after epoch.
 
     Rank and world size come from `torch.distributed` when it is initialised as this is made
-    (DataLoader workers cannot ask it), unless given. DataLoader worker w of n takes its rank's
+    (DataLoader workers cannot ask it), else from torchrun's environment (RANK, WORLD_SIZE),
+    unless given. DataLoader worker w of n takes its rank's
     steps w, w+n, ...: the DataLoader hands them out in turn, so the rank sees the loader's order
     whatever n is. Handing out an epoch's last batch moves to the next epoch, and `set_epoch`
     picks one; the epoch lives in a few bytes of memory shared with the DataLoader's workers, so
@@ -163,9 +185,7 @@ class IterableBatches(IterableDataset[dict[str, Any]]):
                 storage_options = storage_options if storage_options is not None else path.storage_options
                 path = path.path
             self._lazy = _Lazy(path, storage_options=storage_options, cache_dir=cache_dir, cache_limit=cache_limit)
-        distributed = dist.is_available() and dist.is_initialized()
-        self.rank = rank if rank is not None else dist.get_rank() if distributed else 0
-        self.world_size = world_size if world_size is not None else dist.get_world_size() if distributed else 1
+        self.rank, self.world_size = _rank_and_world_size(rank, world_size)
         self._options: dict[str, Any] = {"batch_size": batch_size, "shuffle": shuffle, "seed": seed, "mix": mix}
         self._options.update(drop_last=drop_last, prefetch=prefetch, fields=fields, ragged=ragged)
         if random_resized_crop is not None or center_crop is not None:  # encoded images, decoded in the workers

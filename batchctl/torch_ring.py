@@ -2,7 +2,7 @@
 
 A batch made in a DataLoader worker crosses to the main process through shared memory: torch
 copies each tensor into a new segment (its pages zeroed and touched: ~6 ms for a 9.6 MB batch)
-and the main process maps it, which cost more than reading the batch (issue 44). Instead
+and the main process maps it, which cost more than reading the batch. Instead
 `IterableBatches` makes one anonymous shared segment of slots before the workers start; a worker
 reads an output batch straight into a free slot (`allocate`: the loader's output arrays are the
 slot's memory), and sends a small `SlotBatch` naming the slot. Unpickled in the main process, it
@@ -13,7 +13,9 @@ unread when a DataLoader stopped early) makes its batch as before: nothing waits
 wrong, it is only slower.
 
 The segment is a memfd (freed by the kernel with the last process that maps it, however the run
-ends) of `SLOTS` slots; only the pages of slots in use are ever touched.
+ends) of `SLOTS` slots; only the pages of slots in use are ever touched. A ring goes with its
+`IterableBatches` and the last batch of it the loop held: its descriptors are closed then, so a
+training script that makes streams again and again keeps no memory or descriptor of old ones.
 """
 
 from __future__ import annotations
@@ -40,7 +42,9 @@ from batchctl.run.mpinternals import dup_fd_for_child, pickled_for_a_child
 # 48 batches a worker); then the DataLoader's prefetch and the loop's own. Only slots in use are
 # ever touched: the ring's memory is the batches in flight, as it was without it.
 SLOTS = 256
-_RINGS: dict[str, BatchRing] = {}  # the rings made in this process, for `SlotBatch` to find
+# the rings made in this process, for `SlotBatch` to find (held by their stream and by the
+# batches received in them, not by this)
+_RINGS: weakref.WeakValueDictionary[str, BatchRing] = weakref.WeakValueDictionary()
 _WORKER_RINGS: dict[str, BatchRing] = {}  # the rings this process made batches in (a DataLoader worker's)
 
 
@@ -209,6 +213,13 @@ class BatchRing:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+    def __del__(self) -> None:
+        # no batch of it is held here (each holds the ring through its finalizer): the memfd's
+        # descriptor goes, and the mapping with the last array over it
+        with contextlib.suppress(OSError, AttributeError):
+            if self._fd >= 0:
+                os.close(self._fd)
 
 
 PACK_BYTES = 2**16  # a batch holding a new array this big is copied whole into a free slot to be sent

@@ -91,3 +91,11 @@ def ragged_tokens(path: Path, delay: float = 0.0) -> dict[str, np.ndarray]:
     tokens = data.astype(np.int64 if path.name == "wrong.txt" else np.int32)
     boxes = np.arange(len(data) % 5 * 4, dtype=np.float32).reshape(-1, 4) + len(data)
     return {"tokens": tokens, "boxes": boxes, "length": np.int64(len(data))}
+
+
+@takes("*.txt")
+@ragged("points")
+def ragged_points(path: Path) -> dict[str, np.ndarray]:
+    """A document's bytes as points `(n,)` float32; a file named plane.txt gives `(n, 2)` rows."""
+    data = np.frombuffer(path.read_bytes(), dtype=np.uint8).astype(np.float32)
+    return {"points": data.reshape(-1, 2) if path.name == "plane.txt" else data}

@@ -5,16 +5,20 @@ and /dev/shm names (they carry the build's pid), and times from the signal."""
 from __future__ import annotations
 
 import json
+import os
 import random
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
 from batchctl.synthetic import make_image_folder
-from tests.conftest import run_cli
+from tests.conftest import BATCHCTL, PLUGINS, ROOT, run_cli, wait_for, wait_group_gone
 from tests.stress import expected_codes, plan, run_trial
 
 STRESS_SEED = 20261204
@@ -216,3 +220,26 @@ def test_a_build_from_a_program_on_standard_input_is_refused_in_one_line(photos:
         f"main script again, and {tmp_path / '<stdin>'} is not a file; save the program to a file and run that\n"
     )
     assert not (tmp_path / "d.zarr").exists()
+
+
+@pytest.mark.parametrize("moment", [0.3, 1.5])
+def test_a_sigkill_of_the_parent_alone_leaves_no_temporary_folder(
+    photos: Path, tmp_path: Path, moment: float, request: pytest.FixtureRequest
+) -> None:
+    """multiprocessing's folder for the fork server's socket (pymp-batchctl-PID-*, in this run's
+    own TMPDIR) goes with the fork server when the parent is killed, not at the next build."""
+    temp = Path(tempfile.mkdtemp(prefix="bt-", dir="/tmp"))  # (short: the socket's path must fit 107 bytes)
+    request.addfinalizer(lambda: shutil.rmtree(temp, True))
+    args = ["build", str(photos), "-o", str(tmp_path / "out.zarr"), "--workers", "2", "-q"]
+    args += ["--preprocess", f"{PLUGINS}:slow_image"]
+    proc = subprocess.Popen(
+        [*BATCHCTL, *args], cwd=ROOT, env={**os.environ, "TMPDIR": str(temp)}, start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    wait_for(lambda: any(temp.glob(f"pymp-batchctl-{proc.pid}-*")), timeout=30)
+    time.sleep(moment)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+    assert wait_group_gone(proc.pid) == []
+    assert sorted(p.name for p in temp.iterdir()) == []
+    assert proc.stderr is not None and proc.stderr.read() == ""

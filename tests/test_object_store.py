@@ -602,6 +602,29 @@ def test_a_cache_dir_of_another_user_or_writable_by_others_is_refused_and_no_nam
     assert (folders, files) == ({0o700}, {0o600}), (folders, files)  # what was cached is the user's only
 
 
+def test_a_cache_dir_planted_as_a_symlink_to_a_folder_of_the_users_is_refused_and_changes_nothing(
+    tmp_path: Path, bucket: str, s3_endpoint: str
+) -> None:
+    _, url = _built(tmp_path, bucket, "linked", 16)
+    victim = tmp_path / "victim"
+    victim.mkdir(mode=0o755)
+    victim.chmod(0o755)
+    (victim / "notes.txt").write_text("mine")
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o1777)
+    shared.chmod(0o1777)
+    planted = shared / "cache"
+    planted.symlink_to(victim)
+    os.lchown(planted, OTHER_UID, OTHER_UID)  # another user's link
+    for link in (planted, tmp_path / "own-link"):
+        if not link.is_symlink():
+            link.symlink_to(victim)  # (the user's own link: refused too, it points elsewhere)
+        with pytest.raises(batchctl.UsageError, match="is a symbolic link") as refused:
+            batchctl.open(url, cache_dir=link, cache_limit="1GB")
+        assert "\n" not in str(refused.value)
+        assert stat_mode(victim) == 0o755 and sorted(p.name for p in victim.iterdir()) == ["notes.txt"]
+
+
 def stat_mode(path: Path) -> int:
     return path.stat().st_mode & 0o777
 
@@ -680,11 +703,14 @@ def test_an_unreachable_store_or_missing_credentials_on_open_is_one_line(
         _, stderr = proc.communicate(timeout=90)
         assert proc.returncode == 1, stderr
         assert stderr.count("\n") == 1 and "Traceback" not in stderr, stderr
-        assert stderr.startswith("batchctl: error: s3://") and "zarr.json" in stderr
+        assert stderr.startswith(("batchctl: error: s3://", f"batchctl: error: cannot open {url}")), stderr
+        assert "zarr.json" in stderr
         assert "could not connect" in stderr.lower() or "no answer in 1 s" in stderr
-    with pytest.raises(OSError) as caught:
+    with pytest.raises(batchctl.StoreError) as caught:  # a BatchctlError (and an OSError) of one line
         batchctl.open(url, storage_options={"endpoint_url": closed.split("=", 1)[1], "io_timeout": 1})
-    assert "\n" not in str(caught.value)
+    assert isinstance(caught.value, batchctl.BatchctlError) and isinstance(caught.value, OSError)
+    assert "\n" not in str(caught.value) and str(caught.value).startswith(f"cannot open {url}: ")
+    assert "check the URL, the network and storage_options" in str(caught.value)
     bare = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     bare.update(AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"), AWS_CONFIG_FILE=str(tmp_path / "none"))
     result = run_cli("info", url, "--storage-option", f"endpoint_url={s3_endpoint}", env=bare)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import hashlib
+import math
 import os
 import threading
 from collections import OrderedDict
@@ -62,8 +63,9 @@ DATASET = "dataset"  # the field naming each row's source (its index in the mixt
 
 def counts(weights: Sequence[float], batch_size: int) -> list[int]:
     """Rows of each source in every batch: `batch_size` apportioned to `weights` by largest remainders."""
-    total = float(sum(weights))
-    quotas = [w / total * batch_size for w in weights]
+    largest = max(weights)  # (scaled first: weights of 1e308 would add up to inf)
+    total = float(sum(w / largest for w in weights))
+    quotas = [w / largest / total * batch_size for w in weights]
     got = [int(q) for q in quotas]
     by_remainder = sorted(range(len(weights)), key=lambda k: (-(quotas[k] - got[k]), k))
     for k in by_remainder[: batch_size - sum(got)]:
@@ -90,7 +92,6 @@ class _Stream:
         self.order_options = OrderOptions(1, options.shuffle, seed, options.mix, False, options.partitions)
         self._orders: OrderedDict[int, EpochOrder] = OrderedDict()  # a few recent cycles, shared by the partitions
         self._shares: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
-        self._lengths: dict[int, list[int]] = {}  # partition -> each cycle's share length, as far as known
 
     def order(self, cycle: int) -> EpochOrder:
         order = self._orders.get(cycle)
@@ -116,22 +117,21 @@ class _Stream:
         return rows
 
     def pieces(self, partition: int, start: int, stop: int) -> list[tuple[int, np.ndarray]]:
-        """The rows at stream offsets [start, stop) of a partition, as (cycle, rows) pieces."""
-        lengths = self._lengths.setdefault(partition, [])
-        cycle, at, out = 0, 0, []
-        while at < stop:
-            if cycle == len(lengths):
-                lengths.append(len(self.share(cycle, partition)))
-                if not lengths[-1]:
-                    raise UsageError(
-                        f"source {self.name!r} has no rows for partition {partition}: use fewer partitions"
-                    )
-            end = at + lengths[cycle]
-            if end > start:
-                rows = self.share(cycle, partition)[max(start - at, 0) : stop - at]
-                out.append((cycle, rows))
-            at, cycle = end, cycle + 1
+        """The rows at stream offsets [start, stop) of a partition, as (cycle, rows) pieces (a
+        partition's share of a cycle has as many rows in every cycle)."""
+        length = int(self.order(0).share_rows[partition])
+        if not length:
+            raise UsageError(f"source {self.name!r} has no rows for partition {partition}: use fewer partitions")
+        out = []
+        while start < stop:
+            cycle, at = divmod(start, length)
+            end = min(stop, (cycle + 1) * length)
+            out.append((cycle, self.share(cycle, partition)[at : at + end - start]))
+            start = end
         return out
+
+
+_WINDOW = 4096  # batches planned at once
 
 
 class MixedLoader:
@@ -168,8 +168,9 @@ class MixedLoader:
         self.crop = crop_of(random_resized_crop, center_crop, flip, scale, ratio)
         if not self.names or set(weights) != set(self.names):
             raise UsageError(f"Expected a weight for each of {self.names}, got {dict(weights)!r} instead.")
-        if any(not isinstance(w, (int, float)) or isinstance(w, bool) or not w > 0 for w in weights.values()):
-            raise UsageError(f"Expected weights > 0, got {dict(weights)!r} instead.")
+        numbers = all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in weights.values())
+        if not numbers or not all(0 < w < math.inf for w in weights.values()):
+            raise UsageError(f"Expected finite weights > 0, got {dict(weights)!r} instead.")
         checked = OrderOptions(
             batch_size, bool(shuffle), seed, mix, True, world_size if partitions is None else partitions
         )
@@ -178,9 +179,9 @@ class MixedLoader:
         if problem := family_problem(checked.partitions, world_size):
             raise UsageError(problem[0].upper() + problem[1:])
         if epoch_size is not None and (
-            isinstance(epoch_size, bool) or not isinstance(epoch_size, int) or epoch_size < 1
+            isinstance(epoch_size, bool) or not isinstance(epoch_size, int) or not 1 <= epoch_size < 2**62
         ):
-            raise UsageError(f"Expected epoch_size to be a number of rows >= 1, got {epoch_size!r} instead.")
+            raise UsageError(f"Expected epoch_size to be a number of rows from 1 to 2**62, got {epoch_size!r} instead.")
         self.rank, self.world_size, self.partitions_given = rank, world_size, partitions is not None
         self.options = MixOptions(
             checked.batch_size, checked.shuffle, checked.seed, checked.mix, checked.partitions, epoch_size
@@ -315,7 +316,7 @@ class MixedLoader:
     # --- reading ----------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Batch]:
-        steps = list(self.batches())
+        steps = self.batches()
         for step, batch in enumerate(self._read(steps), 1):
             self.position += self.world_size  # counted before the caller has it
             if step == len(steps):
@@ -324,16 +325,20 @@ class MixedLoader:
         if not steps:
             self._next_epoch()
 
-    def _read(self, wanted: list[int], allocate: Allocate | None = None) -> Iterator[Batch]:
-        plans = [[self._streams[k].pieces(*span) for k, span in enumerate(self._spans(j))] for j in wanted]
-        reads = _MixReads(
-            [s.dataset for s in self._streams], self.fields, self.counts, plans, self.prefetch, self._view, allocate
-        )
-        try:
-            for i in range(len(plans)):
-                yield ragged_output(reads.cut(i), self.ragged_names, self.ragged)
-        finally:
-            reads.close()
+    def _read(self, wanted: Sequence[int], allocate: Allocate | None = None) -> Iterator[Batch]:
+        """Batches `wanted`, planned and read a window at a time (an epoch may be longer than
+        its plans would fit in memory); a stored batch a window's end cuts is read by both."""
+        for first in range(0, len(wanted), _WINDOW):
+            window = wanted[first : first + _WINDOW]
+            plans = [[self._streams[k].pieces(*span) for k, span in enumerate(self._spans(j))] for j in window]
+            reads = _MixReads(
+                [s.dataset for s in self._streams], self.fields, self.counts, plans, self.prefetch, self._view, allocate
+            )
+            try:
+                for i in range(len(plans)):
+                    yield ragged_output(reads.cut(i), self.ragged_names, self.ragged)
+            finally:
+                reads.close()
 
     # --- resume -----------------------------------------------------------------------------
 
@@ -424,7 +429,7 @@ class MixedLoader:
         """Batches `steps` of mixture epoch `epoch` (moving this loader's streams there first),
         made by `allocate` where given."""
         self.at_epoch(epoch)
-        return self._read(list(steps), allocate)
+        return self._read(steps, allocate)
 
     def output_fields(self) -> dict[str, tuple[tuple[int, ...], Any]]:
         """The numeric fields of the batches handed out, read ones (decoded images' shapes where

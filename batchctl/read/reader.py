@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -369,6 +370,12 @@ def _check_reachable(url: str, storage_options: Mapping[str, object]) -> None:
         zarrmeta.DatasetFiles(url, storage_options).read(zarrmeta.ZARR_JSON)
     except FileNotFoundError:
         raise FormatError(f"{url}: no batchctl dataset here (no zarr.json; `batchctl build` makes one).") from None
+    except storage.StoreError as error:
+        raise storage.StoreError(
+            errno.EIO,
+            f"cannot open {url}: {error.strerror}; check the URL, the network and storage_options "
+            "(endpoint_url, credentials)",
+        ) from None
 
 
 def open(  # noqa: A001 - the public name

@@ -216,9 +216,13 @@ def split_rows(dataset: Readable, fractions: Mapping[str, float], seed: int) -> 
     """Each file's rows go to one split, by where a hash of (seed, its `source` path) falls among
     the cumulative fractions: a file keeps its split whatever else the folder holds."""
     names = list(fractions)
-    shares = np.array([fractions[name] for name in names], dtype=float)
-    if not names or (shares < 0).any() or shares.sum() > 1 + 1e-9:
-        raise UsageError(f"Expected fractions >= 0 that add up to at most 1, got {dict(fractions)!r} instead.")
+    values = [fractions[name] for name in names]
+    numbers = all(isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool) for v in values)
+    shares = np.array(values if numbers else [], dtype=float)
+    if not names or not numbers or not np.isfinite(shares).all() or (shares < 0).any() or shares.sum() > 1 + 1e-9:
+        raise UsageError(
+            f"Expected fractions (numbers >= 0) that add up to at most 1, got {dict(fractions)!r} instead."
+        )
     edges = np.cumsum(shares)
     paths = column(dataset, SOURCE)
     where = np.array([_unit_hash(seed, str(path)) for path in paths], dtype=float)

@@ -9,8 +9,10 @@ signal the whole process group or cgroup; the OOM killer picks one process):
   (`PR_SET_PDEATHSIG`), and each worker and the collator when the fork server dies, so a SIGKILL
   of the parent alone leaves no orphan. multiprocessing's resource tracker then sees its last
   client gone, unlinks the build's semaphores and exits.
-- What a SIGKILL of the whole group leaves in /dev/shm (the semaphores; the sample ring has no
-  name) and in the temporary folder (multiprocessing's, for the fork server's socket) carries the
+- multiprocessing's temporary folder (for the fork server's socket) goes with the parent however
+  it ends: at exit, or, after a SIGKILL of the parent alone, removed by the fork server as it dies
+  (its death signal is `PARENT_DIED`, caught). What a SIGKILL of the whole group leaves in
+  /dev/shm (the semaphores; the sample ring has no name) and in the temporary folder carries the
   dead parent's pid, and any later build sweeps it (`sweep_dead_builds`).
 
 Kept free of heavy imports: the `batchctl build` command starts the fork server before it even
@@ -52,6 +54,8 @@ PRELOAD = [
 ]
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 PR_SET_PDEATHSIG = 1
+PARENT_DIED = signal.SIGUSR2  # the fork server's death signal: it removes the temporary folder, then exits
+TEMP_DIR_ENV = "BATCHCTL_FORKSERVER_TEMP"  # the folder, for the fork server as it starts (and only it)
 # A build runs one process per core already: a BLAS or OpenMP thread pool in each would only
 # oversubscribe the cores; and OpenBLAS's, started by `import numpy`, spins ~40 ms of CPU in each
 # process that imports it (a 10-image build: 0.28 s with it, 0.24 s without). One thread each,
@@ -109,6 +113,10 @@ def start_forkserver() -> None:
     name_temp_dir()
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     added = limit_library_threads()  # for the server and its children, not for a calling program
+    folder = mpinternals.temp_dir()
+    if folder is not None and os.path.basename(folder).startswith(f"{TEMP_PREFIX}{os.getpid()}-"):
+        os.environ[TEMP_DIR_ENV] = folder
+        added.append(TEMP_DIR_ENV)
     try:
         mpinternals.ensure_forkserver()
     finally:
@@ -173,14 +181,28 @@ def become_forkserver() -> None:
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
-    die_with_parent()
+    folder = os.environ.pop(TEMP_DIR_ENV, None)
+    if folder is None:
+        die_with_parent()
+        return
+    atexit.register(shutil.rmtree, folder, True)  # (the parent gone, the server ends at its pipe's EOF)
+
+    def parent_died(signum: int, frame: object) -> None:
+        shutil.rmtree(folder, True)
+        os._exit(1)
+
+    signal.signal(PARENT_DIED, parent_died)
+    die_with_parent(PARENT_DIED)
+    match = DEAD_TEMP_NAME.match(os.path.basename(folder))
+    if match is not None and os.getppid() != int(match.group(1)):  # the parent died before the request
+        parent_died(PARENT_DIED, None)
 
 
-def die_with_parent() -> None:
-    """Ask the kernel for SIGKILL when the parent dies (Linux; elsewhere nothing)."""
+def die_with_parent(signum: int = signal.SIGKILL) -> None:
+    """Ask the kernel for `signum` when the parent dies (Linux; elsewhere nothing)."""
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        libc.prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
 
 
 def init_child(title: str, on_sigterm: signal.Handlers = signal.SIG_IGN) -> None:
@@ -188,6 +210,7 @@ def init_child(title: str, on_sigterm: signal.Handlers = signal.SIG_IGN) -> None
     server (checked after asking, in case it died first), and a name `ps` and `top` show."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(PARENT_DIED, signal.SIG_DFL)  # (the fork server's handler: not a child's)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     if _server_pid is not None:
         die_with_parent()

@@ -165,14 +165,14 @@ class OutputRuns:
 
     def __init__(self) -> None:
         self.runs: list[tuple[list[tuple[SentTask, int]], list[dict[str, np.ndarray]]]] = []
-        self._spec: list[tuple[str, tuple[int, ...], np.dtype[Any]]] = []
+        self._spec: list[tuple[str, tuple[tuple[int, ...], np.dtype[Any], bool]]] = []
 
     def add(self, task: SentTask, columns: dict[str, np.ndarray]) -> int:
         """Add one task's columns; its number of rows (none: nothing of it is left to send)."""
         rows = len(next(iter(columns.values())))
         if rows == 0:  # an interrupted run already wrote all of it
             return 0
-        spec = [(name, column.shape[1:], column.dtype) for name, column in columns.items()]
+        spec = [(name, _row_spec(column)) for name, column in columns.items()]
         if not self.runs or spec != self._spec:
             self.runs.append(([], []))
             self._spec = spec
@@ -185,6 +185,15 @@ class OutputRuns:
         return [
             TaskOutput(parts, pieces[0] if len(pieces) == 1 else _concatenated(pieces)) for parts, pieces in self.runs
         ]
+
+
+def _row_spec(column: np.ndarray) -> tuple[tuple[int, ...], np.dtype[Any], bool]:
+    """What a file's rows of a field must share with the others of a run: their shape and dtype,
+    or a ragged field's (its column holds arrays of rows, which agree within one file) all but
+    the first dimension, so that a file of (n, 2) rows beside (n,) ones is checked on its own."""
+    if column.dtype == object:
+        return column[0].shape[1:], column[0].dtype, True
+    return column.shape[1:], column.dtype, False
 
 
 def _concatenated(pieces: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:

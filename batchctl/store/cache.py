@@ -26,6 +26,7 @@ limit held by other processes' writes in flight) is not an error; what was fetch
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import re
@@ -327,19 +328,33 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 def _private_folder(folder: Path) -> None:
     """`folder`, made 0700 if missing; refused in one line unless a folder of this user's that
-    nobody else can write into (another user could plant a ledger or files there)."""
+    nobody else can write into (another user could plant a ledger or files there), and not a
+    symbolic link (one planted in a shared folder could point the cache, and its chmod, at any
+    folder of the user's)."""
+    link = UsageError(
+        f"cache_dir {folder} is a symbolic link: batchctl will not read, change or delete anything where it "
+        "points; give the folder itself"
+    )
+    if folder.is_symlink():
+        raise link
     try:
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        st = os.stat(folder)
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except OSError as exc:
+        if exc.errno == errno.ELOOP:  # (made a link since)
+            raise link from None
         raise UsageError(f"cache_dir {folder} cannot be made ({exc.strerror})") from None
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
-        raise UsageError(
-            f"cache_dir {folder} is not a private folder of yours (owned by you, writable by you alone): "
-            "batchctl will not read or delete anything in it; choose another cache_dir"
-        )
-    if st.st_mode & 0o077:
-        os.chmod(folder, 0o700)  # ours, and nobody else could write into it: what is cached is private too
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+            raise UsageError(
+                f"cache_dir {folder} is not a private folder of yours (owned by you, writable by you alone): "
+                "batchctl will not read or delete anything in it; choose another cache_dir"
+            )
+        if st.st_mode & 0o077:
+            os.fchmod(fd, 0o700)  # ours, and nobody else could write into it: what is cached is private too
+    finally:
+        os.close(fd)
 
 
 def _unaccounted(name: str, known: dict[str, int]) -> bool:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from batchctl.errors import UsageError
+from batchctl.errors import BatchctlError, UsageError
 from batchctl.records import describe_error
 
 
@@ -69,8 +69,12 @@ def fsspec_options(protocol: str, storage_options: Mapping[str, Any] | None) -> 
     return kwargs
 
 
-class StoreError(OSError):
-    """A call to an object store failed or timed out (`strerror` names the store, the call and the path)."""
+class StoreError(BatchctlError, OSError):
+    """A call to an object store failed or timed out (`strerror` names the store, the call and
+    the path): an OSError, as the store's own errors are, and a BatchctlError of one line."""
+
+    def __str__(self) -> str:
+        return self.strerror if isinstance(self.strerror, str) else super().__str__()
 
 
 class TimedFilesystem:
