@@ -356,7 +356,8 @@ def test_two_nodes_of_ranks_and_workers_fetch_each_stored_byte_once(
 ) -> None:
     """2 simulated nodes (a cache folder each) x 2 ranks x 2 DataLoader workers, counted at the
     server: the nodes together fetch the stored bytes once (each stored batch by the one consumer
-    whose share holds it), not once per node or per consumer; every row of the order once."""
+    whose share holds it, but those a cut between two shares splits), not once per node or per
+    consumer; every row of the order once."""
     pytest.importorskip("torch")
     _, url = _built(tmp_path, bucket, "nodes", 120)
     fs = _fs(s3_endpoint)
@@ -367,10 +368,12 @@ def test_two_nodes_of_ranks_and_workers_fetch_each_stored_byte_once(
     sizes = [range_bytes(r) for r in data_gets(made)]
     assert None not in sizes
     fetched = sum(size for size in sizes if size is not None)
-    assert fetched <= 1.05 * stored, fetched / stored
     ds = batchctl.open(url)
+    one = stored / len(ds)  # a stored batch's bytes: each of the 7 cuts between the 8 shares may split one
+    assert fetched <= 1.02 * stored + 7 * one, fetched / stored
     order = ds.loader(**options, partitions=8).order(0)
-    want = sorted(str(ds.sample(int(row))["source"]) for j in range(order.batches) for row in order.rows(j))
+    taken = order.batches - order.batches % 4  # (drop_last: the last round the 4 ranks cannot share)
+    want = sorted(str(ds.sample(int(row))["source"]) for j in range(taken) for row in order.rows(j))
     got = [s for rank in ranks for s in rank["sources"]]
     assert sorted(got) == want and len(set(got)) == len(got)
     assert {p.name for p in (tmp_path / "caches").iterdir()} == {"node0", "node1"}
