@@ -53,6 +53,7 @@ from batchctl.read.order import (
     consumer_steps,
     earlier_order_problem,
     family_problem,
+    share_layout,
 )
 from batchctl.read.views import FieldsOf, Readable
 from batchctl.store.metadata import SOURCE
@@ -92,6 +93,9 @@ class _Stream:
         self.order_options = OrderOptions(1, options.shuffle, seed, options.mix, False, options.partitions)
         self._orders: OrderedDict[int, EpochOrder] = OrderedDict()  # a few recent cycles, shared by the partitions
         self._shares: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
+        # each partition's rows of a cycle: the same in every cycle (not an order's, which a cycle
+        # cache could have let go: pieces() asks for every batch)
+        self.share_rows = share_layout(dataset.num_samples, 1, options.partitions)[1]
 
     def order(self, cycle: int) -> EpochOrder:
         order = self._orders.get(cycle)
@@ -119,7 +123,7 @@ class _Stream:
     def pieces(self, partition: int, start: int, stop: int) -> list[tuple[int, np.ndarray]]:
         """The rows at stream offsets [start, stop) of a partition, as (cycle, rows) pieces (a
         partition's share of a cycle has as many rows in every cycle)."""
-        length = int(self.order(0).share_rows[partition])
+        length = int(self.share_rows[partition])
         if not length:
             raise UsageError(f"source {self.name!r} has no rows for partition {partition}: use fewer partitions")
         out = []

@@ -108,12 +108,9 @@ class EpochOrder:
         lengths, short = _stored_lengths(num_samples, stored_batch, selected, stored_rows)
         self.visit, dealt_group = _dealt_visit(lengths, short, options, epoch)
         size = options.batch_size
-        made = -(-num_samples // size)  # output batches, a short last one included
-        self.share_batches = np.array([len(range(p, made, partitions)) for p in range(partitions)], np.int64)
-        self.share_rows = self.share_batches * size
+        self.share_batches, self.share_rows = share_layout(num_samples, size, partitions)
+        made = int(self.share_batches.sum())  # output batches, a short last one included
         last = (made - 1) % partitions  # the share whose last batch is the epoch's last
-        if made:
-            self.share_rows[last] -= made * size - num_samples
         self.batches = num_samples // size if options.drop_last else made  # all consumers together
         # the stream is cut with the share of the short last batch at its end, where the short
         # stored batch lies: the other shares then start on stored batches (when the sizes agree)
@@ -219,6 +216,18 @@ class EpochOrder:
             for p in range(consumer, self.partitions, consumers)
         ]
         return np.unique(np.concatenate(pieces or [np.zeros(0, np.int64)]))
+
+
+def share_layout(num_samples: int, batch_size: int, partitions: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each share's output batches and rows: the epoch's ceil(rows / batch_size) batches dealt
+    j -> share j % partitions, the short last one's share shorter by what it lacks. The same for
+    every epoch (a mixture's streams rely on it)."""
+    made = -(-num_samples // batch_size)
+    batches = np.array([len(range(p, made, partitions)) for p in range(partitions)], np.int64)
+    rows = batches * batch_size
+    if made:
+        rows[(made - 1) % partitions] -= made * batch_size - num_samples
+    return batches, rows
 
 
 def _stored_lengths(
