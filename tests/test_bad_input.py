@@ -22,7 +22,7 @@ from PIL import Image, ImageOps
 import batchctl
 from tests.conftest import PLUGINS, processes_in_group, run_cli, start_cli, wait_for, wait_group_gone
 from tests.reference import mean_abs_diff, torchvision_reference
-from tests.test_faults import SLOW, journal_shards
+from tests.test_faults import SLOW, assert_exactly_once, journal_lines, journal_shards
 
 SMALL = ["--crop", "32", "--resize", "40"]
 
@@ -206,6 +206,35 @@ def test_full_disk_fails_cleanly_and_resumes_once_fixed(image_folder: Path, tmp_
         resumed = run_cli(*args, timeout=120)
         assert resumed.returncode == 0, resumed.stderr
         assert batchctl.open(out).num_samples == 60
+
+
+def test_a_full_disk_while_resuming_an_incremental_build_keeps_what_it_resumes(
+    image_folder: Path, tmp_path: Path
+) -> None:
+    """An incremental build stopped part way; its rerun fails on a full disk as it sets the resume
+    up (a file size limit stands in for the disk); the run after that, with space back, resumes."""
+    source = tmp_path / "source"
+    shutil.copytree(image_folder, source)
+    out = tmp_path / "o.zarr"
+    assert run_cli("build", source, "-o", out, *SLOW).returncode == 0
+    for path in sorted(source.rglob("*.*"))[::3]:
+        shutil.copy(path, path.with_name("new-" + path.name))
+    proc = start_cli("build", source, "-o", out, *SLOW)
+    wait_for(lambda: journal_lines(out))  # the kept batches, journaled at once as the build starts
+    seeded = len(journal_lines(out))
+    wait_for(lambda: len(journal_lines(out)) > seeded + 1)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=60)
+    assert proc.returncode == 143
+    limit = 256  # bytes: below the journal's, so the journal cannot be written again
+    full = run_cli(
+        "build", source, "-o", out, *SLOW, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    )
+    assert full.returncode == 1 and "File too large" in full.stderr and "Traceback" not in full.stderr
+    resumed = run_cli("build", source, "-o", out, *SLOW)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming:" in resumed.stderr
+    assert_exactly_once(out, {str(p.relative_to(source)) for p in source.rglob("*.*")})
 
 
 def test_collator_killed_fails_cleanly(image_folder: Path, tmp_path: Path) -> None:

@@ -31,12 +31,12 @@ from batchctl.run.processes import signals_ignored
 from batchctl.run.signals import published
 from batchctl.store import journal, storage
 from batchctl.store.journal import Untrusted
+from batchctl.store.metadata import RECORD
 from batchctl.store.untrusted import LOG_BYTES, parse_json, read_regular
 from batchctl.store.zarrmeta import DatasetFiles
 
 RENAME_EXCHANGE = 2
 PUBLISHING = "publishing"  # in the work folder: the build_id being moved to OUTPUT right now
-RECORD = "batchctl.record"  # in a dataset: which file each of its rows came from
 REPLACED = "replaced.zarr"  # where the old dataset goes where there is no atomic exchange
 
 
@@ -300,17 +300,21 @@ class LocalWorkdir(Workdir):
 
     def append_journal(self, lines: Sequence[journal.Line]) -> None:
         if lines:
-            self._write_lines(lines, "a")
+            self._append_lines(lines)
 
     def append_group(self, line: journal.GroupLine) -> None:
-        self._write_lines([line], "a")
+        self._append_lines([line])
 
     def rewrite_journal(self, lines: Sequence[journal.Line]) -> None:
-        self._write_lines(lines, "w")
+        """Written aside and renamed: a full disk or a kill part way leaves the journal as it was,
+        never cut short (the kept rows it names are what a resume, and an incremental build's
+        state, count on)."""
+        _write_durably(self.paths.journal, _jsonl(lines))
+        _fsync_dir(self.paths.workdir)
 
-    def _write_lines(self, lines: Sequence[journal.Line], mode: str) -> None:
-        with open(self.paths.journal, mode, encoding="utf-8") as file:
-            file.writelines(json.dumps(journal.to_json(line)) + "\n" for line in lines)
+    def _append_lines(self, lines: Sequence[journal.Line]) -> None:
+        with open(self.paths.journal, "ab") as file:
+            file.write(_jsonl(lines))
             file.flush()
             os.fsync(file.fileno())
 
@@ -493,6 +497,11 @@ class RemoteWorkdir(Workdir):
 
     def _work_key(self, name: str) -> str:
         return storage.fs_path(f"{self.paths.workdir_url}/{name}")
+
+
+def _jsonl(lines: Sequence[journal.Line]) -> bytes:
+    """The local journal's lines: one JSON object a line."""
+    return "".join(json.dumps(journal.to_json(line)) + "\n" for line in lines).encode()
 
 
 def _json_lines(lines: Sequence[journal.Line]) -> bytes:
