@@ -10,6 +10,7 @@ one nested tensor (`to_torch`).
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -90,6 +91,39 @@ class BatchDataset(TorchDataset[dict[str, Any]]):
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         return to_torch(self._lazy.dataset.read_batch(index, fields=self.fields))
+
+
+@functools.cache
+def _stateful_loader_class() -> type:
+    """`StatefulDataLoader` with the check of a state's workers (torchdata is optional: imported here)."""
+    try:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+    except ImportError:
+        raise UsageError("IterableBatches.dataloader needs torchdata: pip install torchdata") from None
+
+    class BatchctlDataLoader(StatefulDataLoader):  # type: ignore[misc]
+        def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+            saved = saved_num_workers(state_dict)
+            if saved is not None and saved != self.num_workers:
+                raise ResumeMismatchError(
+                    f"the state was saved by a DataLoader with num_workers={saved}, this one has "
+                    f"num_workers={self.num_workers}: resume with num_workers={saved}"
+                )
+            super().load_state_dict(state_dict)
+
+    return BatchctlDataLoader
+
+
+def saved_num_workers(state: Mapping[str, Any]) -> int | None:
+    """The `num_workers` a `StatefulDataLoader` state was saved with (torchdata 0.11's layout: a
+    multi-process loader's under `_snapshot`, a single-process one's with `_num_yielded`), or None
+    when the state does not say (left to torchdata)."""
+    snapshot = state.get("_snapshot")
+    if isinstance(snapshot, Mapping):
+        main = snapshot.get("_main_snapshot")
+        workers = main.get("_num_workers") if isinstance(main, Mapping) else None
+        return workers if isinstance(workers, int) else None
+    return 0 if "_num_yielded" in state else None
 
 
 @dataclass
@@ -349,6 +383,13 @@ class IterableBatches(IterableDataset[dict[str, Any]]):
         state.update(epoch=current.epoch, position=current.start, worker=worker, workers=workers)
         state.update(yielded=current.yielded, world_size=self.world_size)
         return state
+
+    def dataloader(self, num_workers: int = 0, **options: Any) -> Any:
+        """torchdata's `StatefulDataLoader` over this stream (`batch_size=None`: the batches are the
+        stream's; `options` are the loader's), whose `load_state_dict` refuses in one line a state
+        saved with another `num_workers`: torchdata's own fails on an assertion as it makes the next
+        iterator (a state holds one position per worker, each counting only that worker's steps)."""
+        return _stateful_loader_class()(self, batch_size=None, num_workers=num_workers, **options)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state`. Saved on another world size, a state of a rank without

@@ -7,6 +7,7 @@ batch's rows can be checked against their sources and followed one by one across
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import os
 import random
@@ -585,6 +586,32 @@ def test_an_iterable_batches_state_resumes_exactly_on_another_world_size_or_is_r
     assert "\n" not in str(refused.value) and "DataLoader worker process" in str(refused.value)
     let_go_of_workers(refused.value)
     del loader, refused  # its workers end with it
+    gc.collect()
+
+
+@pytest.mark.parametrize(("saved", "resumed"), [(2, 0), (0, 2), (2, 1)])
+def test_a_state_of_other_dataloader_workers_is_refused_in_one_line(numbered: Path, saved: int, resumed: int) -> None:
+    """torchdata's own StatefulDataLoader fails on an assertion there; the stream's resumes the
+    same workers exactly."""
+    pytest.importorskip("torchdata")
+    from batchctl.torch import IterableBatches
+
+    expected = epoch_ids(batchctl.open(numbered).loader(batch_size=6, mix=4, seed=5, partitions=max(saved, 1)))
+    loader = IterableBatches(numbered, batch_size=6, mix=4, seed=5).dataloader(num_workers=saved)
+    head = [ids(batch) for batch in itertools.islice(loader, 4)]
+    state = loader.state_dict()
+    del loader
+    other = IterableBatches(numbered, batch_size=6, mix=4, seed=5).dataloader(num_workers=resumed)
+    with pytest.raises(batchctl.ResumeMismatchError) as refused:
+        other.load_state_dict(state)
+    assert str(refused.value) == (
+        f"the state was saved by a DataLoader with num_workers={saved}, this one has num_workers={resumed}: "
+        f"resume with num_workers={saved}"
+    )
+    same = IterableBatches(numbered, batch_size=6, mix=4, seed=5).dataloader(num_workers=saved)
+    same.load_state_dict(state)
+    assert head + [ids(batch) for batch in same] == expected
+    del other, same
     gc.collect()
 
 
