@@ -13,7 +13,7 @@ from typing import Any
 
 from batchctl.records import Finished, WorkItem
 from batchctl.report import FileError
-from batchctl.run.staging import RECORD, BuildPaths, Workdir
+from batchctl.run.staging import BuildPaths, Workdir
 from batchctl.store import metadata as meta
 from batchctl.store.digest import content_digest
 from batchctl.store.journal import BatchLine
@@ -122,5 +122,5 @@ def publish(
     def mark_complete() -> None:
         meta.write_dataset_attrs(files, attrs, arrays=arrays)  # consolidates the arrays' documents
 
-    work.publish({RECORD: raw, meta.BUILD_INFO: info.to_bytes()}, attrs.digest, mark_complete)
+    work.publish({meta.RECORD: raw, meta.BUILD_INFO: info.to_bytes()}, attrs.digest, mark_complete)
     return attrs.digest

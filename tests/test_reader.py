@@ -99,6 +99,44 @@ def test_verify_passes_then_catches_zeroed_bytes_in_any_shard(dataset: Path, tmp
     assert result.returncode == 1 and "label shard 1: shard file is missing" in result.stderr
 
 
+def test_verify_checks_the_build_info_and_the_record(dataset: Path, tmp_path: Path) -> None:
+    """No reader reads them, but the next build trusts them: one byte changed in the record, or in
+    the build info's digest, shard hashes or record hash, is found and named, as is one gone."""
+    import shutil
+
+    info_name, record_name = "batchctl.build.json", "batchctl.record"
+    info_bytes, record = (dataset / info_name).read_bytes(), (dataset / record_name).read_bytes()
+    info = json.loads(info_bytes)
+    shard_hash = sorted(info["shards"].values())[3].split(":")[-1]
+
+    def flip_hex(value: str) -> bytes:
+        flipped = value[:10] + ("0" if value[10] != "0" else "1") + value[11:]
+        return info_bytes.replace(value.encode(), flipped.encode())
+
+    def flip_bit(at: int) -> bytes:
+        return record[:at] + bytes([record[at] ^ 1]) + record[at + 1 :]
+
+    # (the file changed, its new bytes or None to remove it, the file the problem names)
+    cases: list[tuple[str, bytes | None, str]] = [
+        (info_name, flip_hex(info["digest"]), info_name),
+        (info_name, flip_hex(shard_hash), info_name),
+        (info_name, flip_hex(info["record_sha256"]), record_name),  # the two disagree: the record is not vouched for
+        *((record_name, flip_bit(at), record_name) for at in (0, len(record) // 3, len(record) - 2)),
+        (info_name, None, info_name),
+        (record_name, None, record_name),
+    ]
+    for n, (changed, new, named) in enumerate(cases):
+        copy = tmp_path / f"{n}.zarr"
+        shutil.copytree(dataset, copy)
+        if new is None:
+            (copy / changed).unlink()
+        else:
+            (copy / changed).write_bytes(new)
+        result = run_cli("verify", copy)
+        assert result.returncode == 1 and f"{named}: " in result.stderr, (n, result.stderr)
+        assert "Traceback" not in result.stderr
+
+
 def test_preview_draws_a_grid(dataset: Path, tmp_path: Path) -> None:
     out = tmp_path / "grid.png"
     result = run_cli("preview", dataset, "-o", out, "--batch", "2", "--count", "6")

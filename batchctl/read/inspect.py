@@ -12,7 +12,9 @@ import numpy as np
 from batchctl.errors import FormatError
 from batchctl.read.reader import Dataset
 from batchctl.store import codec, metadata, storage, zarrmeta
-from batchctl.store.digest import published_digest_problem
+from batchctl.store.digest import published_digest
+from batchctl.store.journal import Untrusted
+from batchctl.store.record import check_fits, read_record
 from batchctl.store.untrusted import parse_json
 
 
@@ -117,11 +119,45 @@ def _consolidated_problems(ds: Dataset) -> list[Problem]:
 
 def _digest_problems(ds: Dataset) -> list[Problem]:
     """The content digest recomputed from the files must be the one the dataset was published
-    with (a dataset of format version 2 has none)."""
+    with (a dataset of format version 2 has none), and the build's notes must be that build's."""
     if ds.attrs.format_version < 3 or not ds.attrs.complete:
         return []
-    problem = published_digest_problem(zarrmeta.DatasetFiles(ds.path, ds.storage_options), ds.attrs)
-    return [] if problem is None else [Problem(zarrmeta.ZARR_JSON, problem)]
+    files = zarrmeta.DatasetFiles(ds.path, ds.storage_options)
+    problem, shards = published_digest(files, ds.attrs)
+    if problem is not None:
+        return [Problem(zarrmeta.ZARR_JSON, problem)]
+    return _notes_problems(ds, files, shards)
+
+
+def _notes_problems(ds: Dataset, files: zarrmeta.DatasetFiles, shards: Mapping[str, str]) -> list[Problem]:
+    """The build info and the record: no reader reads them, but the next build trusts them (a
+    damaged one costs it a full rebuild). The build info must be of batchctl's form, name this
+    digest and hold each shard file's hash as read; the record must be the one it vouches for
+    (`record_sha256`), of batchctl's form, describing this dataset."""
+    try:
+        files.read(metadata.BUILD_INFO)
+    except FileNotFoundError:
+        return [Problem(metadata.BUILD_INFO, "is missing (the next build builds everything)")]
+    except OSError as exc:
+        return [Problem(metadata.BUILD_INFO, f"cannot be read ({exc.strerror or exc})")]
+    info = metadata.read_build_info(ds.path, ds.storage_options)
+    if info is None:
+        return [Problem(metadata.BUILD_INFO, "is not of batchctl's form")]
+    if info.digest != ds.attrs.digest:
+        return [Problem(metadata.BUILD_INFO, f"names the digest {info.digest}, not the dataset's {ds.attrs.digest}")]
+    if info.shards != shards:
+        wrong = sorted(key for key in set(info.shards) | set(shards) if info.shards.get(key) != shards.get(key))
+        named = ", ".join(wrong[:3]) + (f" and {len(wrong) - 3} more" if len(wrong) > 3 else "")
+        return [Problem(metadata.BUILD_INFO, f"its hashes of the shard files differ from the files: {named}")]
+    where = f"{ds.path}/{metadata.RECORD}"
+    try:
+        record = read_record(where, ds.storage_options, ds.attrs.digest, info.record_sha256)
+        if record is None:
+            return [Problem(metadata.RECORD, "is missing (the next build builds everything)")]
+        check_fits(record, ds.attrs, int(ds.arrays[metadata.SOURCE].shape[1]))
+    except Untrusted as exc:
+        return [Problem(metadata.RECORD, str(exc))]
+    return []
 
 
 def _chunk_bytes(ds: Dataset, name: str, arr: Any) -> int:

@@ -12,7 +12,7 @@ build takes the hashes of the shards it keeps from the last build's info; only a
 hashed whole (resumed half-written, or written by Dask tasks) is read here. A hash of another
 scheme (digest 2's, or an earlier batchctl's whole-file SHA-256) is not used for the digest:
 the shard is read again. A dataset published with digest 2 still verifies
-(`published_digest_problem`).
+(`published_digest`).
 """
 
 from __future__ import annotations
@@ -117,15 +117,19 @@ def _file_sha256(files: DatasetFiles, key: str) -> str:
         return "not a regular file"
 
 
-def published_digest_problem(files: DatasetFiles, attrs: DatasetAttrs) -> str | None:
-    """Why the digest recomputed from the files is not the one the dataset was published with,
-    or None: this version's digest, else digest 2's (a dataset published before digest 3; only
-    then, or on damage, are the files read twice)."""
+def published_digest(files: DatasetFiles, attrs: DatasetAttrs) -> tuple[str | None, dict[str, str]]:
+    """Why the digest recomputed from the files is not the one the dataset was published with
+    (None when it is: this version's digest, else digest 2's, a dataset published before digest
+    3; only then, or on damage, are the files read twice), and the shard files' hashes of the
+    digest that matched (this version's when neither did)."""
     arrays = files.arrays()
-    found, _ = content_digest(files, arrays, attrs)
-    if found == attrs.digest or content_digest(files, arrays, attrs, version=2)[0] == attrs.digest:
-        return None
-    return f"the content digest is {found}, not the {attrs.digest} it was published with"
+    found, shards = content_digest(files, arrays, attrs)
+    if found == attrs.digest:
+        return None, shards
+    older, older_shards = content_digest(files, arrays, attrs, version=2)
+    if older == attrs.digest:
+        return None, older_shards
+    return f"the content digest is {found}, not the {attrs.digest} it was published with", shards
 
 
 def shard_file_hash(files: DatasetFiles, key: str, per_shard: int, scheme: str = SHARD_HASH) -> str:

@@ -21,6 +21,7 @@ from batchctl.store.zarrmeta import ZARR_JSON, ArrayMeta, DatasetFiles
 
 FORMAT_VERSION = 3  # 3: the documents hold nothing of the build but its content (`digest`); 2: `source` as UTF-8 bytes
 READABLE_VERSIONS = (2, 3)  # a version 2 dataset reads as before; a build builds version 3 anew
+RECORD = "batchctl.record"  # in a dataset: which file each of its rows came from (`store.record`)
 BUILD_INFO = "batchctl.build.json"  # in a dataset: when, from where and by what it was built (`BuildInfo`)
 ATTRS_KEY = "batchctl"
 SOURCE = "source"
