@@ -37,6 +37,11 @@ class UsageError(BatchctlError, ValueError):
     """Bad options or arguments, found before any work starts (CLI exit code 2)."""
 
 
+class PreprocessorError(UsageError):
+    """The preprocessor returned what no dataset holds (text, a dict, a name batchctl keeps for
+    itself): its fault, not one file's, so the build stops at the first file, in one line."""
+
+
 class FormatError(BatchctlError, ValueError):
     """A path is not a batchctl dataset, or its metadata breaks docs/format.md."""
 

@@ -43,6 +43,26 @@ def reserved_name(path: Path) -> dict[str, np.ndarray]:
     return {"label": np.zeros(2, np.int64)}
 
 
+def text_field(path: Path) -> dict[str, object]:
+    """A caption as a str: no field holds text."""
+    return {"x": np.zeros(2, np.float32), "caption": "a dog"}
+
+
+def dict_field(path: Path) -> dict[str, object]:
+    """Boxes as a nested dict."""
+    return {"x": np.zeros(2, np.float32), "objects": {"bbox": [1, 2, 3, 4], "category": 0}}
+
+
+def ragged_named(path: Path) -> dict[str, np.ndarray]:
+    """A name as batchctl names a ragged field's arrays."""
+    return {"x.offsets": np.zeros(2, np.int64)}
+
+
+def constant_field(path: Path) -> dict[str, np.ndarray]:
+    """The fixed preprocessor: one numeric field."""
+    return {"x": np.zeros(2, np.float32)}
+
+
 def image_and_pid(path: Path, crop: int = 32) -> dict[str, np.ndarray | int]:
     """The image plus the pid of the process that preprocessed it (which Dask worker did the work)."""
     return {**preprocess_image(path, resize=crop, crop=crop), "pid": os.getpid()}

@@ -283,15 +283,32 @@ def test_split_file_interrupted_and_resumed_lands_every_row_once(tmp_path: Path)
     assert np.array_equal(values[order], big)
 
 
-def test_plugin_using_a_reserved_field_name_is_refused_per_file(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("plugin", "said"),
+    [
+        ("reserved_name", "returned the field 'label', a name batchctl keeps for itself"),
+        ("text_field", "returned the field 'caption' as text ('a dog'): a field holds numbers; return the text as"),
+        ("dict_field", "returned the field 'objects' as a dict: a field holds numbers; return each of its entries"),
+        ("ragged_named", "returned the field 'x.offsets', named as batchctl names a ragged field's arrays"),
+    ],
+)
+def test_a_field_no_dataset_holds_stops_the_build_at_the_first_file_in_one_line(
+    tmp_path: Path, plugin: str, said: str
+) -> None:
+    """The preprocessor's fault, not a file's: one usage error (exit 2), not a skip per file, nor
+    the collator's crash on a str dtype, nor a traceback; the fixed preprocessor's rerun starts over."""
     (tmp_path / "src").mkdir()
-    (tmp_path / "src" / "a.bin").write_bytes(b"x")
-    result = run_cli(
-        "build", tmp_path / "src", "-o", tmp_path / "o.zarr", "--preprocess", "tests.plugins:reserved_name"
-    )
-    assert result.returncode == 1
-    assert "skipped a.bin: field names label are batchctl's own" in result.stderr
-    assert "no samples were produced" in result.stderr and "Traceback" not in result.stderr
+    for n in range(40):
+        (tmp_path / "src" / f"{n:02d}.bin").write_bytes(b"x")
+    out = tmp_path / "o.zarr"
+    result = run_cli("build", tmp_path / "src", "-o", out, "--preprocess", f"tests.plugins:{plugin}", "--workers", "2")
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and said in lines[0] and lines[0].startswith("batchctl: error: preprocessor tests.plugins")
+    assert not out.exists()
+    fixed = run_cli("build", tmp_path / "src", "-o", out, "--preprocess", "tests.plugins:constant_field")
+    assert fixed.returncode == 0, fixed.stderr
+    assert "starting over" in fixed.stderr and batchctl.open(out).num_samples == 40
 
 
 @pytest.mark.parametrize(

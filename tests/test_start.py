@@ -121,9 +121,21 @@ def test_a_first_build_starts_fresh_and_says_nothing() -> None:
 
 
 def test_an_interrupted_build_of_other_options_is_refused_naming_them() -> None:
+    files = items(5)
     other = State({**SPEC, "batch_size": 4}, SOURCE, None)
     with pytest.raises(ResumeMismatchError, match="batch_size was 4, now 2.*--no-resume"):
-        resumed(request(items(5)), interrupted(Journaled(), other))
+        plan_resume(request(files), interrupted(journal_of(batches(files)), other))
+
+
+def test_an_interrupted_build_of_other_options_that_kept_nothing_starts_over_saying_why() -> None:
+    """Every file skipped, the preprocessor fixed: nothing to lose, so no --no-resume is needed."""
+    files = items(5)
+    other = State({**SPEC, "batch_size": 4}, SOURCE, None)
+    assert plan_resume(request(files), interrupted(Journaled(), other)) is None
+    start = plan_start(request(files), interrupted(Journaled(), other), NOTHING)
+    assert start.how == "fresh"
+    said = "the interrupted build kept no samples and used other options (batch_size was 4, now 2); starting over"
+    assert start.notes == (said,)
 
 
 def test_a_resume_keeps_every_journaled_batch_and_the_half_filled_one() -> None:

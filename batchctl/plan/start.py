@@ -168,6 +168,11 @@ def _plan_resume(request: Request, interrupted: Interrupted | None, notes: list[
 def _resume_interrupted(request: Request, interrupted: Interrupted, notes: list[str]) -> Start | None:
     state = interrupted.state
     if state.spec != request.spec or state.source != request.source:
+        if not _kept_work(interrupted):  # nothing to lose (every file skipped, say, and the plugin fixed)
+            was, now = {**state.spec, "source": state.source}, {**request.spec, "source": request.source}
+            diffs = "; ".join(differences(was, now))
+            notes.append(f"the interrupted build kept no samples and used other options ({diffs}); starting over")
+            return None
         raise ResumeMismatchError(mismatch_text(state, request.spec, request.source))
     seeded = state.incremental
     if seeded is not None and seeded.carry_from != request.carry_from:
@@ -238,6 +243,13 @@ def _resumed(
         resumed_samples=resumed_samples,
         notes=tuple(notes),
     )
+
+
+def _kept_work(interrupted: Interrupted) -> bool:
+    """The interrupted build journaled samples of its own (not only the kept ones it was seeded
+    with), or a journal that cannot be read (not ours to throw away unasked)."""
+    seeded = interrupted.state.incremental
+    return bool(interrupted.problem) or interrupted.journal.samples > (seeded.kept_samples if seeded else 0)
 
 
 def _record_again(request: Request, interrupted: Interrupted | None, notes: list[str]) -> tuple[Plan, Record] | None:

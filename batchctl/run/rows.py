@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from batchctl.errors import PreprocessorError
 from batchctl.preprocess import Preprocessor, Sample
 from batchctl.preprocess.base import ragged_rows
 from batchctl.records import SentTask, Task, TaskOutput, TaskResult, describe_error, sent_start
@@ -34,12 +35,6 @@ def columns_schema(columns: Mapping[str, np.ndarray]) -> metadata.Schema:
 
 def check_schema(schema: metadata.Schema, found: metadata.Schema) -> str | None:
     """Why a sample of fields `found` does not fit `schema`, or None when it does."""
-    taken = sorted(set(found) & set(metadata.RESERVED_FIELDS))
-    if taken:
-        return f"field names {', '.join(taken)} are batchctl's own; rename them in the preprocessor"
-    odd = sorted(name for name in found if metadata.ragged_part(name)[1])
-    if odd:
-        return f"field name {odd[0]!r} ends as a ragged field's arrays are named; rename it in the preprocessor"
     if set(found) != set(schema):
         return f"fields {', '.join(sorted(found))} differ from the dataset's {', '.join(sorted(schema))}"
     for name, got in found.items():
@@ -47,6 +42,48 @@ def check_schema(schema: metadata.Schema, found: metadata.Schema) -> str | None:
         if got != want:
             return f"field {name!r} is {got.describe()}, the dataset's is {want.describe()}"
     return None
+
+
+NUMERIC_KINDS = "biufc"  # what a field holds: booleans, integers, floats, complex numbers
+
+
+def check_fields(preprocessor: Preprocessor, columns: Mapping[str, np.ndarray]) -> None:
+    """Raise `PreprocessorError` for fields no dataset holds: a name batchctl keeps for itself or
+    names its ragged arrays with, or values that are not numbers (a ragged field: its rows')."""
+    where = f"preprocessor {preprocessor.name} returned the field"
+    for name, column in columns.items():
+        if name in metadata.RESERVED_FIELDS:
+            raise PreprocessorError(
+                f"{where} {name!r}, a name batchctl keeps for itself ({', '.join(metadata.RESERVED_FIELDS)}; "
+                "labels come from the class folders): rename it"
+            )
+        if metadata.ragged_part(name)[1]:
+            raise PreprocessorError(f"{where} {name!r}, named as batchctl names a ragged field's arrays: rename it")
+        values = column[0] if column.dtype == object and len(column) and isinstance(column[0], np.ndarray) else column
+        if values.dtype.kind not in NUMERIC_KINDS:
+            raise PreprocessorError(f"{where} {name!r} as {_what(values)}: {_instead(values)}")
+
+
+def _what(values: np.ndarray) -> str:
+    if values.dtype.kind == "U":
+        return f"text ({str(values.flat[0])[:40]!r})" if values.size else "text"
+    if values.dtype.kind == "S":
+        return "bytes"
+    if values.dtype.kind == "O" and values.size:
+        return f"a {type(values.flat[0]).__name__}"
+    return f"values of dtype {values.dtype}"
+
+
+def _instead(values: np.ndarray) -> str:
+    """What to return instead, in a few words."""
+    if values.dtype.kind in "US":
+        return (
+            "a field holds numbers; return the text as numbers (its tokens, or "
+            "np.frombuffer(text.encode(), np.uint8) as a ragged field)"
+        )
+    if values.dtype.kind == "O" and values.size and isinstance(values.flat[0], Mapping):
+        return "a field holds numbers; return each of its entries as a field of its own"
+    return "a field holds numbers or arrays of numbers"
 
 
 def runs_of(output: TaskOutput) -> list[Run]:
@@ -88,6 +125,7 @@ def preprocess_file(
             columns = preprocessor.columns(path, options, part)
     except Exception as exc:  # noqa: BLE001 - any failure of one file is that file's error
         return describe_error(exc).replace(f" '{path}'", "").replace(str(path), relpath)
+    check_fields(preprocessor, columns)  # the preprocessor's fault, not the file's: raised, ending the build
     if skip:
         columns = {name: column[skip:] for name, column in columns.items()}
     return columns
