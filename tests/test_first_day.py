@@ -1,4 +1,4 @@
-"""Right by default, second round (issue 34): what a new user and a fault campaign ran into.
+"""Right by default: what a new user and a fault campaign ran into, and the README's quick start.
 The real CLI in subprocesses, as a user runs it."""
 
 from __future__ import annotations
@@ -362,3 +362,37 @@ def test_a_plugin_names_its_dimensions_and_describes_its_fields(tmp_path: Path) 
     (tmp_path / "bad.py").write_text(DESCRIBED.replace('["token"]', '"token"').replace("def tokens", "def bad"))
     code, err = run_in(tmp_path, "build", src, "-o", tmp_path / "b.zarr", "--preprocess", "bad.py:bad")
     assert code == 2 and "dimension_names must be a list of names" in err and err.count("\n") == 1, err
+
+
+def quick_start() -> tuple[list[str], str]:
+    """The README's quick start: its batchctl commands (after `make demo`, `cd demo`) and its Python."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    lines = [line for line in section.splitlines() if line.startswith("    batchctl ")]
+    commands = [line.split("  #")[0].strip() for line in lines]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    return commands, code
+
+
+def test_the_readmes_quick_start_runs_as_written_after_make_demo(tmp_path: Path) -> None:
+    """`make demo` makes demo/photos (examples/make_images.py, 200 photos) and builds it as the
+    quick start's first command does; from demo/, each command and the Python block run as written."""
+    commands, code = quick_start()
+    assert [c.split()[1] for c in commands] == ["build", "info", "verify", "preview"]
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    assert "examples/make_images.py demo/photos --count 200" in makefile
+    assert "build demo/photos --batch-size 64" in makefile
+    made = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "make_images.py"), "photos", "--count", "200"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    for command in commands:
+        code_, err = run_in(tmp_path, *command.split()[1:])
+        assert code_ == 0, (command, err)
+    assert (tmp_path / "grid.png").stat().st_size > 0
+    ran = subprocess.run(
+        [sys.executable, "-c", code.replace("        ...", "        assert len(batch['label']) == 64")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
