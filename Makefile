@@ -3,7 +3,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 BASE := $(VENV)/.base
 
-.PHONY: test lint demo install bench clean
+.PHONY: test test-long lint demo install bench clean
 
 # batchctl alone (what `make install` and `make demo` need): no test, benchmark or framework extras
 $(BASE): pyproject.toml
@@ -31,6 +31,10 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	@echo "make: running the suite (pytest -q; the slowest tests are listed in CONTRIBUTING.md)"
 	$(PY) -m pytest -q
+
+# every fault sweep in full (`make test` samples a few moments of each, drawn anew every run)
+test-long: $(STAMP)
+	BATCHCTL_TEST_LONG=1 $(PY) -m pytest -q
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check batchctl tests benchmarks examples

@@ -1,4 +1,4 @@
-"""Issue 46, side by side in one run: encoded images against stored pixels, and ragged fields.
+"""Side by side in one run: encoded images against stored pixels, and ragged fields.
 
 - 2,400 photos (real ones where scikit-image and scikit-learn are installed, as the `real_photos`
   section makes them; else generated): built as stored 224 px pixels (the default) and as

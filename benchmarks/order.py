@@ -1,4 +1,4 @@
-"""What placing rows in dispatch order costs (issue 31): the photo build with the reorder window
+"""What placing rows in dispatch order costs: the photo build with the reorder window
 against placing chunks as they arrive (what batchctl did before: `benchmarks/arrival/` on
 PYTHONPATH patches the collator, no switch in batchctl), run alternately, side by side; then
 the same with one deliberately slow file (1 s of sleep every 500th file, a plugin).

@@ -44,7 +44,7 @@ def bench_read(
     make_photos(originals, src, photos, copies)
     out = root / "read.zarr"
     # class-sorted rows, the harshest input for a shuffle (each stored batch holds one class or
-    # two), and stored raw: the figure is for uncompressed images
+    # two), and stored raw: the goal's figure is for uncompressed images
     subprocess.run(build_cmd(src, out, "--batch-size", "64", "--sorted", "--compression", "none"), check=True)
     ds = batchctl.open(out)
     whole = np.concatenate([ds[i]["image"] for i in range(len(ds))])

@@ -1,11 +1,11 @@
-"""Each byte read once per node (issue 44), on 2,560 class-sorted photos stored raw (40 stored
+"""Each byte read once per node, on 2,560 class-sorted photos stored raw (40 stored
 batches of 64, 224x224x3): bytes read in one epoch against the stored bytes, counted by the
 kernel (`rchar` of /proc/PID/io over every rank and DataLoader worker; tests/ranks.py runs the
 ranks as processes with torchrun's environment) for (ranks, workers) = (1,0), (1,2), (4,0),
 (4,2), (8,4); `IterableBatches` with 2 DataLoader workers against none, bare and with a CPU
 augmentation (benchmarks/read_peers.py); and one loader (world 1, no workers) against np.load
 of one .npy per stored batch followed by crc32c of its bytes (the same bytes read and checked,
-in a shuffled batch order). Then issue 45's figures: a 0.7/0.3 mixture of it and a second set
+in a shuffled batch order). Then a mixture's figures: a 0.7/0.3 mixture of it and a second set
 against one loader over the first alone, and the bytes a 10% subset and `fields=["label"]` read
 against a full epoch's."""
 

@@ -164,7 +164,7 @@ def run_torchvision(photos: str, workers: int, batch: int) -> float:
 
 def run_torchvision_rrc(photos: str, workers: int, batch: int) -> float:
     """ImageFolder + RandomResizedCrop(224) + RandomHorizontalFlip over the original photos in a
-    shuffled DataLoader (issue 46's peer): one epoch. Where torchvision does not import, the same
+    shuffled DataLoader (the peer): one epoch. Where torchvision does not import, the same
     on PIL: decode, convert to RGB, torchvision's crop rules (`augment.random_resized_box`), one
     bilinear resize of the region (PIL's, as torchvision's PIL path), a flip half the time."""
     try:

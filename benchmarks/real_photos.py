@@ -1,4 +1,4 @@
-"""Issue 33's photo set: 2,400 real photos (scikit-image's and scikit-learn's sample images,
+"""The real photo set: 2,400 real photos (scikit-image's and scikit-learn's sample images,
 scaled and cropped to 300-900 px, JPEG quality 80-95 with every 10th a PNG, 6 class folders),
 and batchctl against the 50-line design and LitData on it, side by side, alternated; plus each
 thread role's CPU per N files (from N to 4N files). Skipped where scikit-image or scikit-learn

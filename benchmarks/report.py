@@ -26,9 +26,9 @@ def check_goals(results: dict[str, Any]) -> list[tuple[str, bool]]:
                 f"{ceiling['ratio_to_ideal']:.2f} x W x r; batchctl reaches "
                 f"{best['samples_per_s'] / ceiling['samples_per_s']:.2f} of it"
             )
-        fifty = next((r for r in results["images"]["rows"] if r["tool"].startswith("the issue's 50-line")), None)
+        fifty = next((r for r in results["images"]["rows"] if r["tool"].startswith("the 50-line Pool baseline")), None)
         if fifty is not None:
-            print(f"[info] the issue's 50-line design: {fifty['ratio_to_ideal']:.2f} x W x r")
+            print(f"[info] the 50-line Pool baseline: {fifty['ratio_to_ideal']:.2f} x W x r")
             goals.append(
                 (
                     f"photos: batchctl >= the 50-line design (whole processes, 3 alternated rounds): "
@@ -191,7 +191,7 @@ def check_goals(results: dict[str, Any]) -> list[tuple[str, bool]]:
 
 
 def _scaling_goals(scaling: dict[str, Any]) -> list[tuple[str, bool]]:
-    """Issue 47: 16 workers >= 0.85 x 16 x the rate at 1; on fewer cores, the table's last row said."""
+    """The scaling goal: 16 workers >= 0.85 x 16 x the rate at 1; on fewer cores, the table's last row said."""
     rows = {row["workers"]: row for row in scaling["rows"]}
     for workers, row in sorted(rows.items()):
         print(
@@ -206,7 +206,7 @@ def _scaling_goals(scaling: dict[str, Any]) -> list[tuple[str, bool]]:
 
 
 def _loader_goals(loader: dict[str, Any], peers: dict[str, Any]) -> list[tuple[str, bool]]:
-    """Issue 29's figures: the loader's speed at mix=16, its shuffle beside a global permutation,
+    """The loader's figures: the loader's speed at mix=16, its shuffle beside a global permutation,
     and one epoch through a DataLoader beside LitData and torchvision with the same workers."""
     mix16, best = loader["mix_16"], loader["global_permutation"]
     goals = [
@@ -274,7 +274,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 def _remote_goals(remote: dict[str, Any]) -> list[tuple[str, bool]]:
-    """Issue 35's figures: bytes and requests counted at the server, and the latency hidden by 8
+    """The object store's figures: bytes and requests counted at the server, and the latency hidden by 8
     reads in flight, against 8x one read or what the machine serves with no latency, the lower."""
     goals = [
         (

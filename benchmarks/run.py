@@ -244,7 +244,7 @@ def _save_batch(job: tuple[Path, int, list[Path]]) -> int:
 
 
 def fifty_line_design(files: list[Path], out: Path, workers: int) -> None:
-    """The issue's 50-line design: `Pool.imap_unordered`, one task per 64 files, each worker
+    """The 50-line Pool baseline: `Pool.imap_unordered`, one task per 64 files, each worker
     `np.save`s its batch (no labels, sources, checksums, journal or fsync): what a throwaway
     script gets on this machine, the yardstick of the photo goal."""
     out.mkdir(parents=True, exist_ok=True)
@@ -314,7 +314,7 @@ def bench_images(root: Path, count: int, results: dict[str, Any]) -> None:
     elapsed, peak, _ = run_measured(baseline_cmd("naive_pool", src, root / "naive.zarr"))
     rows.append(rate_row("naive Pool.imap + write at end", CORES, count / elapsed, r, peak, root / "naive.zarr"))
     elapsed = statistics.median(e for e, _ in paired[fifty])
-    tool = "the issue's 50-line design (imap_unordered, np.save per 64 files)"
+    tool = "the 50-line Pool baseline (imap_unordered, np.save per 64 files)"
     rows.append(rate_row(tool, CORES, count / elapsed, r, max(p for _, p in paired[fifty]), fifty))
     rows += litdata_rows(root, src, count, r)
     # memory: N vs 4N files of the same kind (hard links to the same images under other names)

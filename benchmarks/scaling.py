@@ -1,4 +1,4 @@
-"""Issue 47's scaling table: the card's command (`batchctl build PHOTOS --workers W`, default
+"""The scaling table: the README's command (`batchctl build PHOTOS --workers W`, default
 options) at W = 1, 4, 8, 16 (those this machine's cores allow, and all of them), each on a photo
 set sized for about `seconds` of work at W x the serial rate, with every thread's CPU (the
 per-thread table: each role's busiest thread over the mean worker's, and all of them together). The goal: the rate at 16

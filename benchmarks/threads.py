@@ -1,4 +1,4 @@
-"""Issue 47's per-thread table: what beside the workers would saturate a core first on a big
+"""The per-thread table: what beside the workers would saturate a core first on a big
 machine. For a photo set and for a near-free set (.npy files of 224x224x3 uint8, 150 KB each,
 read from and written to a tmpfs: the collator loaded hardest), two builds of N and 4N files with
 2 workers, every thread of every process sampled (`run.tree_threads`); the marginal CPU per N

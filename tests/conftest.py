@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -12,6 +13,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,6 +22,28 @@ from batchctl.synthetic import make_image_folder
 ROOT = Path(__file__).resolve().parent.parent
 BATCHCTL = [sys.executable, "-m", "batchctl"]
 PLUGINS = str(ROOT / "tests" / "plugins.py")
+
+# The fault sweeps (random signal moments, kill points): `make test` samples a few moments of
+# each, drawn anew every run from one seed it prints at the end (BATCHCTL_TEST_SEED=N repeats a
+# run's draws); `make test-long` (BATCHCTL_TEST_LONG=1) runs every sweep in full.
+LONG = os.environ.get("BATCHCTL_TEST_LONG", "") not in ("", "0")
+SWEEP_SEED = int(os.environ.get("BATCHCTL_TEST_SEED") or random.SystemRandom().randrange(2**31))
+
+
+def sweep_rng(name: str) -> random.Random:
+    """One sweep's random moments: this run's seed and the sweep's name (so that each sweep's
+    draws do not depend on which other tests ran)."""
+    return random.Random(f"{SWEEP_SEED}:{name}")
+
+
+def sweep(short: int, long: int) -> int:
+    """How many moments a sweep tries: `short` in `make test`, `long` in `make test-long`."""
+    return long if LONG else short
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    mode = "in full (make test-long)" if LONG else "sampled (make test-long runs them in full)"
+    terminalreporter.write_line(f"fault sweeps {mode}, seed {SWEEP_SEED}: BATCHCTL_TEST_SEED={SWEEP_SEED} repeats them")
 
 
 @pytest.fixture(autouse=True)

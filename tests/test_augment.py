@@ -1,4 +1,4 @@
-"""Encoded images (issue 46): `--store jpeg/png` by the real CLI, decoded at read time with
+"""Encoded images: `--store jpeg/png` by the real CLI, decoded at read time with
 torchvision's RandomResizedCrop rules and a flip, or a centre crop; the same (seed, epoch, row)
 gives the same crop after a resume."""
 

@@ -21,6 +21,8 @@ from tests.conftest import (
     processes_in_group,
     run_cli,
     start_cli,
+    sweep,
+    sweep_rng,
     wait_for,
     wait_group_gone,
 )
@@ -86,11 +88,11 @@ def test_signal_stops_cleanly_and_the_rerun_resumes(image_folder: Path, tmp_path
 def test_many_random_interruptions_then_exactly_once(image_folder: Path, tmp_path: Path) -> None:
     """Interrupt at random moments (seeded), with SIGINT, SIGTERM or SIGKILL of the whole group,
     resuming each time; the finished dataset holds every input exactly once."""
-    rng = random.Random(20261202)
+    rng = sweep_rng("many random interruptions")
     out = tmp_path / "data.zarr"
     parents = []
     args = ["build", image_folder, "-o", out, *SLOW, "--option", "delay=0.01"]
-    for _ in range(20):
+    for _ in range(sweep(8, 20)):
         proc = start_cli(*args)
         parents.append(proc.pid)
         time.sleep(rng.uniform(0.3, 2.0))
@@ -269,10 +271,10 @@ def test_graceful_interrupts_keep_every_sample_the_build_counted(image_folder: P
     (half-filled batches and open shards are kept), and the result holds every input once. Each
     run is stopped at a random moment after its journal grew (the event, not a time since start:
     on any machine every run makes progress, and files sleep, so none runs to the end at once)."""
-    rng = random.Random(20261204)
+    rng = sweep_rng("graceful interrupts")
     out, report = tmp_path / "data.zarr", tmp_path / "r.json"
     processed, runs = 0, 0
-    while runs < 12:
+    while runs < sweep(6, 12):
         runs += 1
         before = journal_batches(out)
         proc = start_cli("build", image_folder, "-o", out, *STREAM, "--option", "delay=0.2", "--report", report)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import random
 import shutil
 import signal
 import time
@@ -23,7 +22,7 @@ from batchctl.store.shardhash import OLD_SHARD_HASH
 from batchctl.store.zarrmeta import DatasetFiles
 from batchctl.synthetic import make_image_folder, photo
 
-from .conftest import PLUGINS, kill_group, run_cli, start_cli, wait_for, wait_group_gone
+from .conftest import PLUGINS, kill_group, run_cli, start_cli, sweep, sweep_rng, wait_for, wait_group_gone
 from .stress import expected_codes, run_trial
 
 LAYOUT = ["--batch-size", "4", "--shard-batches", "2", "--workers", "2"]
@@ -274,10 +273,10 @@ def test_a_skipped_file_is_not_tried_again_until_it_changes(folder: Path, tmp_pa
 
 
 def test_signals_at_random_moments_of_incremental_runs(folder: Path, tmp_path: Path) -> None:
-    """Eight incremental runs, each stopped by SIGINT or SIGTERM (to the parent or the group) at a
-    random moment from its first second to past its publish: each exits as a user expects with
-    nothing left behind, OUTPUT stays a complete dataset, and the next run ends with exactly a
-    fresh build's rows."""
+    """Incremental runs (three; eight in make test-long), each stopped by SIGINT or SIGTERM (to
+    the parent or the group) at a random moment from its first second to past its publish: each
+    exits as a user expects with nothing left behind, OUTPUT stays a complete dataset, and the
+    next run ends with exactly a fresh build's rows."""
     out = tmp_path / "data.zarr"
     plugin = ["--preprocess", f"{PLUGINS}:slow_image", *LAYOUT]
     slow = [*plugin, "--option", "delay=0.2"]
@@ -292,9 +291,9 @@ def test_signals_at_random_moments_of_incremental_runs(folder: Path, tmp_path: P
     started = time.monotonic()
     assert run_cli("build", folder, "-o", out, *slow).returncode == 0
     run_s = time.monotonic() - started
-    rng = random.Random(23)
+    rng = sweep_rng("signals in incremental runs")
     failures = []
-    for n in range(8):
+    for n in range(sweep(3, 8)):
         more_changes(n + 1)
         sig = (signal.SIGINT, signal.SIGTERM)[n % 2]
         delay = rng.uniform(0, 1) if n % 3 == 0 else rng.uniform(1, run_s * 1.1)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -18,10 +17,8 @@ from pathlib import Path
 import pytest
 
 from batchctl.synthetic import make_image_folder
-from tests.conftest import BATCHCTL, PLUGINS, ROOT, run_cli, wait_for, wait_group_gone
+from tests.conftest import BATCHCTL, PLUGINS, ROOT, run_cli, sweep, sweep_rng, wait_for, wait_group_gone
 from tests.stress import expected_codes, plan, run_trial
-
-STRESS_SEED = 20261204
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +29,9 @@ def photos(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_every_signal_at_any_moment_ends_cleanly(photos: Path, tmp_path: Path) -> None:
-    """20 random moments across {SIGINT, SIGTERM} x {parent, group}, a third of them in the first
-    second, the rest across the run and its publish; then 3 SIGKILLs of the parent alone. Every
+    """Random moments (8; 20 in make test-long) across {SIGINT, SIGTERM} x {parent, group}, a third
+    of them in the first second, the rest across the run and its publish; then SIGKILLs of the
+    parent alone (2; 3). Every
     one: the right exit code within 5 s of the signal, no traceback, no process of the build alive
     3 s after its exit, no /dev/shm name left, and a complete dataset exactly when it exits 0; after
     a SIGKILL, nothing at all on stderr (the build's other processes see their parent gone)."""
@@ -43,13 +41,13 @@ def test_every_signal_at_any_moment_ends_cleanly(photos: Path, tmp_path: Path) -
     run_s = time.monotonic() - started  # the plan spreads the signals over a run as long as this one
     assert whole.returncode == 0, whole.stderr
     failures, killed = [], 0
-    for n, (sig, target, delay) in enumerate(plan(random.Random(STRESS_SEED), 20, 3, run_s)):
+    for n, (sig, target, delay) in enumerate(plan(sweep_rng("every signal"), sweep(8, 20), sweep(2, 3), run_s)):
         trial = run_trial(args, tmp_path / f"out{n}.zarr", sig, target, delay)
         killed += trial.code == -9
         if not trial.ok(expected_codes(sig), run_s) or (trial.exit_s or 99) > 5:
             failures.append(trial.line() + "\n" + trial.stderr[-500:])
     assert failures == []
-    assert killed >= 2  # the SIGKILLs came while the build ran (a build of it at most 70% through)
+    assert killed >= 1  # a SIGKILL came while the build ran (each at most 70% through one as long)
 
 
 def test_a_signal_once_the_dataset_is_in_place_ends_the_build_as_finished(photos: Path, tmp_path: Path) -> None:

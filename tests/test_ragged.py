@@ -1,4 +1,4 @@
-"""Ragged fields (issue 46): rows whose first dimension varies, built by the real CLI, stored as
+"""Ragged fields: rows whose first dimension varies, built by the real CLI, stored as
 offsets and values (docs/format.md), read back exactly by batchctl, zarr-python and tensorstore."""
 
 from __future__ import annotations

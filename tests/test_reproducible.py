@@ -21,7 +21,7 @@ from batchctl.store.shardhash import OLD_SHARD_HASH
 from batchctl.store.zarrmeta import DatasetFiles
 from batchctl.synthetic import make_image_folder
 
-from .conftest import PLUGINS, kill_group, run_cli, start_cli, wait_for, wait_group_gone
+from .conftest import PLUGINS, kill_group, run_cli, start_cli, sweep, sweep_rng, wait_for, wait_group_gone
 from .test_incremental import change_files
 
 SMALL = ["--resize", "32", "--crop", "32", "--batch-size", "8", "--shard-batches", "2"]
@@ -114,15 +114,15 @@ def _interrupted_runs(source: Path, output: Path, rng: random.Random) -> list[st
 def test_interrupted_and_resumed_builds_end_the_same_bytes(photos: Path, tmp_path: Path) -> None:
     whole = tmp_path / "whole.zarr"
     build(photos, whole, *SLOW, "--workers", "2")
-    rng = random.Random(31)
-    stopped = []
-    for trial in range(10):
+    rng = sweep_rng("interrupted and resumed builds")
+    stopped, trials = [], sweep(4, 10)
+    for trial in range(trials):
         out = tmp_path / f"t{trial}.zarr"
         happened = _interrupted_runs(photos, out, rng)
         assert tree(out) == tree(whole), f"trial {trial}: {happened}"
         assert trial or run_cli("verify", out).returncode == 0
         stopped += [outcome for outcome in happened if not outcome.endswith("-> 0")]
-    assert len(stopped) >= 8, stopped  # most signals landed while the build ran
+    assert len(stopped) >= trials * 8 // 10, stopped  # most signals landed while the build ran
 
 
 def test_the_same_change_to_copies_of_a_dataset_gives_the_same_bytes(photos: Path, tmp_path: Path) -> None:
