@@ -139,6 +139,8 @@ class _Builder:
         sweep_dead_builds()  # what builds killed with their whole process group left in /dev/shm
         output = self._recover_publish()
         discovery = self._discover()
+        for note in discovery.notes:
+            self.progress.info(note)
         fingerprint = self._fingerprint(discovery)
         if not self.options.force and self._up_to_date(fingerprint, output):
             return self._end("up_to_date")
@@ -189,6 +191,7 @@ class _Builder:
             force=self.options.force,
             checksum=self.options.checksum,
             digests=self.digests,
+            row_hashes=discovery.row_hashes,
             keep_tail=keep_tail,
             carry_from=f"{self.paths.workdir_url}/previous.zarr" if self.paths.remote else self.output,
             work_url=self.paths.workdir_url,
@@ -319,7 +322,9 @@ class _Builder:
         batches = journal.batches
         arrays = self.paths.staging_files.arrays()  # as the engine left them
         width = arrays[meta.SOURCE].shape[1]
-        record = record_of(origin, batches, finished, discovery.items, self.report.errors, width, self.digests)
+        record = record_of(
+            origin, batches, finished, discovery.items, self.report.errors, width, self.digests, discovery.row_hashes
+        )
         notes = self.preprocessor.describe(self.pp_options) if self.preprocessor.describe else {}
         attrs = dataset_attrs(origin, self.report.errors, finished)
         known = hashes_by_key(arrays, journal.hashes)
@@ -349,7 +354,12 @@ class _Builder:
 
     def _discover(self) -> Discovery:
         discovery = discover(
-            self.source, self.preprocessor.accepts, self.options.seed, self.options.storage_options, self.output
+            self.source,
+            self.preprocessor.accepts,
+            self.options.seed,
+            self.options.storage_options,
+            self.output,
+            self.options.label,
         )
         self.report.ignored, self.report.ignored_paths = discovery.ignored, discovery.ignored_paths
         return discovery

@@ -131,6 +131,14 @@ def build(
         Optional[list[str]],
         typer.Option("--include", metavar="GLOB", help="Take only files matching this glob (repeatable)."),
     ] = None,
+    label: Annotated[
+        Optional[str],
+        typer.Option(
+            metavar="COLUMN",
+            help="The column of metadata.csv/.jsonl/.parquet (beside the files) whose names or whole "
+            "numbers are the class labels.",
+        ),
+    ] = None,
     resize: Annotated[
         Optional[int], typer.Option(help="image: shorter side after resizing (default 256).", min=1, metavar="N")
     ] = None,
@@ -227,6 +235,7 @@ def build(
         "batch_size": batch_size,
         "preprocess": preprocess,
         "include": include,
+        "label": label,
         "resize": resize,
         "crop": crop,
         "layout": layout.value if layout is not None else None,

@@ -67,6 +67,7 @@ def record_of(
     errors: Sequence[FileError],
     source_width: int,
     digests: Mapping[str, str],
+    rows: Mapping[str, str],
 ) -> Record:
     """The record of the dataset being published: its batches (every row's file) and the files
     it skipped, with their stamps (its `build_id`, the digest, is set as it is published)."""
@@ -88,6 +89,7 @@ def record_of(
         batches=tuple(batches),  # written without their chunks' places
         skipped=skipped,
         digests=digests,
+        rows=rows,
     )
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from batchctl.errors import UsageError
+from batchctl.plan import tables
 from batchctl.records import WorkItem
 from batchctl.store import storage
 
@@ -27,19 +28,25 @@ class Discovery:
     ignored: int = 0
     unreadable: list[tuple[str, str]] = field(default_factory=list)
     ignored_paths: list[str] = field(default_factory=list)  # the first IGNORED_LISTED, in walk order
+    row_hashes: dict[str, str] = field(default_factory=dict)  # relpath -> its metadata row's hash
+    notes: list[str] = field(default_factory=list)  # what the user is told of the metadata tables
 
     def fingerprint(
         self, options: object, leave_out: Collection[str] = (), digests: Mapping[str, str] | None = None
     ) -> str:
         """Changes when any input path, size or mtime changes (with `digests`, content hashes:
-        --checksum), or the options do. A dataset built without the files `leave_out` gets a
-        fingerprint the next discovery (with them) will not match, so the next run tries them again."""
+        --checksum), or its metadata row, or what cannot be read, or the options. A dataset built
+        without the files `leave_out` gets a fingerprint the next discovery (with them) will not
+        match, so the next run tries them again."""
         digest = hashlib.sha256(repr(options).encode())
         for item in sorted(self.items, key=lambda it: it.relpath):
             if item.relpath in leave_out:
                 continue
             stamp = digests.get(item.relpath, "") if digests else item.mtime_ns
-            digest.update(f"{item.relpath}\0{item.size}\0{stamp}\n".encode())
+            row = self.row_hashes.get(item.relpath, "")
+            digest.update(f"{item.relpath}\0{item.size}\0{stamp}\0{row}\n".encode())
+        for where, why in sorted(self.unreadable):  # a table's bad line mended is a change too
+            digest.update(f"{where}\0{why}\n".encode())
         return digest.hexdigest()
 
 
@@ -128,6 +135,7 @@ def discover(
     seed: int | None = None,
     storage_options: Mapping[str, Any] | None = None,
     output: str | None = None,
+    label: str | None = None,
 ) -> Discovery:
     """Files `accepts` takes become work items; the rest are counted as ignored, and so are
     FIFOs, sockets and devices (reading one could block for ever).
@@ -137,16 +145,23 @@ def discover(
     SOURCE may be a URL (s3://bucket/raw/): its objects are listed through fsspec. An `output`
     inside SOURCE is never an input (its staging folder and lock are hidden files anyway).
     A file name that is not UTF-8 is reported unreadable: the dataset stores names as UTF-8.
+    Metadata tables (`batchctl.plan.tables`) are no inputs: once there is one, the files they
+    name are the inputs, with their rows' values, and `label` names the column of their classes.
     """
     skip = _inside(output, source)
     if storage.is_url(source):
+        if label is not None:
+            raise UsageError("--label reads metadata tables in a local SOURCE folder; a URL SOURCE has none yet")
         return _discover_url(source, accepts, seed, storage_options, skip)
     check_source(source)
     found: list[tuple[str, int, int]] = []
     ignored: list[str] = []
     unreadable: list[tuple[str, str]] = []
+    table_paths: list[str] = []
     for rel, stat in walk_files(Path(source), skip):
-        if not (rel.isascii() or _utf8(rel)):
+        if tables.is_table(rel) and not isinstance(stat, OSError) and S_ISREG(stat.st_mode):
+            table_paths.append(rel)
+        elif not (rel.isascii() or _utf8(rel)):
             unreadable.append((_printable(rel), "the file name is not valid UTF-8; rename it to build it"))
         elif isinstance(stat, FolderError):
             unreadable.append((rel, stat.strerror or str(stat)))
@@ -158,7 +173,39 @@ def discover(
             ignored.append(rel)
         else:
             found.append((rel, stat.st_size, stat.st_mtime_ns))
-    return _labelled(found, ignored, unreadable, seed)
+    if not table_paths:
+        if label is not None:
+            raise UsageError(f"--label {label}: SOURCE {source} holds no {' or '.join(tables.TABLE_NAMES)}")
+        return _labelled(found, ignored, unreadable, seed)
+    return _tabled(Path(source), table_paths, found, ignored, unreadable, seed, label)
+
+
+def _tabled(
+    root: Path,
+    table_paths: list[str],
+    found: list[tuple[str, int, int]],
+    ignored: list[str],
+    unreadable: list[tuple[str, str]],
+    seed: int | None,
+    label: str | None,
+) -> Discovery:
+    """The files the tables name, with their values; the files they do not name are ignored
+    (counted and listed, as files the preprocessor does not take). Labels: `label`'s column, or
+    the class folders as without tables."""
+    read = tables.read_tables(root, table_paths, {rel for rel, _, _ in found}, label)
+    named = [entry for entry in found if entry[0] in read.values]
+    ignored.extend(rel for rel, _, _ in found if rel not in read.values)
+    unreadable.extend(read.bad_rows)
+    if label is None:
+        discovery = _labelled(named, ignored, unreadable, seed)
+    else:
+        items = [WorkItem(rel, read.label_of(rel), size, mtime_ns) for rel, size, mtime_ns in named]
+        discovery = Discovery(_shuffled(items, seed), read.classes, len(ignored), unreadable, ignored[:IGNORED_LISTED])
+    for item in discovery.items:
+        item.values = read.values[item.relpath]
+    discovery.row_hashes = read.row_hashes
+    discovery.notes = [*read.left_out, f"{len(named)} files named by {len(table_paths)} metadata table(s)"]
+    return discovery
 
 
 def _inside(output: str | None, source: str) -> str | None:
@@ -225,6 +272,11 @@ def _labelled(
             items.append(WorkItem(rel, class_ids[rel.split("/", 1)[0]], size, mtime_ns))
         else:
             ignored.append(rel)  # beside the class folders: no class
-    if seed is not None:  # (numpy's permutation: random.shuffle took ~0.7 us a file, a sixth of the walk)
-        items = [items[i] for i in np.random.default_rng(seed).permutation(len(items)).tolist()]
-    return Discovery(items, classes, len(ignored), unreadable, ignored[:IGNORED_LISTED])
+    return Discovery(_shuffled(items, seed), classes, len(ignored), unreadable, ignored[:IGNORED_LISTED])
+
+
+def _shuffled(items: list[WorkItem], seed: int | None) -> list[WorkItem]:
+    if seed is None:
+        return items
+    # (numpy's permutation: random.shuffle took ~0.7 us a file, a sixth of the walk)
+    return [items[i] for i in np.random.default_rng(seed).permutation(len(items)).tolist()]

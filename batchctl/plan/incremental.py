@@ -74,9 +74,15 @@ class Plan:
 
 
 def compare(
-    record: Record, items: Iterable[WorkItem], digests: Mapping[str, str], checksum: bool
+    record: Record,
+    items: Iterable[WorkItem],
+    digests: Mapping[str, str],
+    checksum: bool,
+    rows: Mapping[str, str] | None = None,
 ) -> tuple[Changes, set[str]]:
-    """What changed, and the set of files whose rows (or skip) the last build's record still vouches for."""
+    """What changed, and the set of files whose rows (or skip) the last build's record still
+    vouches for. A file whose metadata table row (`rows`: its hash) changed has changed."""
+    rows = rows or {}
     current = {item.relpath: item for item in items}
     known = record.stamps()
     for relpath, skipped in record.skipped.items():
@@ -87,7 +93,9 @@ def compare(
         stamp = known.get(relpath)
         if stamp is None:
             added.append(relpath)
-        elif _same(item, stamp, record.digests.get(relpath), digests.get(relpath), checksum):
+        elif record.rows.get(relpath) == rows.get(relpath) and _same(
+            item, stamp, record.digests.get(relpath), digests.get(relpath), checksum
+        ):
             unchanged.add(relpath)
         else:
             changed.append(relpath)
@@ -115,13 +123,14 @@ def plan(
     checksum: bool,
     keep_tail: bool,
     damaged: Collection[int] = (),
+    rows: Mapping[str, str] | None = None,
 ) -> Plan:
     """Which old shards stay whole and which rows are carried over, for the files of `items`.
     `keep_tail`: a short last shard none of whose rows changed is kept too, as the open shard new
     rows are appended to (a local OUTPUT: its files are copied, then grow; an object cannot).
     `damaged`: shards whose files are not what the last build wrote: neither kept nor carried
     from, their files preprocessed again."""
-    changes, unchanged = compare(record, items, digests, checksum)
+    changes, unchanged = compare(record, items, digests, checksum, rows or {})
     lost = {run.source for batch in record.batches if batch.shard in damaged for run in batch.files}
     redone = sorted(lost & unchanged)
     unchanged -= lost

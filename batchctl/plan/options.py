@@ -37,6 +37,7 @@ class BuildOptions:
     checksum: bool = False  # files are unchanged when their contents hash the same (else: size and mtime)
     timeout: float | None = None
     include: tuple[str, ...] = ()
+    label: str | None = None  # the metadata tables' column of class labels (names or whole numbers)
     storage_options: Mapping[str, Any] = field(default_factory=dict)  # for a URL OUTPUT (fsspec)
     engine: str = "local"  # or "dask": a dask.distributed cluster preprocesses and writes shards
     scheduler: str | None = None  # the Dask scheduler's address; None starts a local cluster
@@ -78,7 +79,7 @@ def dataset_spec(options: BuildOptions, preprocessor: Preprocessor, pp_options: 
             "code": preprocessor.code,
         },
         "include": list(options.include),
-    }
+    } | ({"label": options.label} if options.label is not None else {})  # (a dataset without keeps its spec)
 
 
 class BuildKwargs(TypedDict, total=False):
@@ -100,6 +101,7 @@ class BuildKwargs(TypedDict, total=False):
     checksum: bool
     timeout: float | None
     include: Sequence[str]
+    label: str | None
     storage_options: Mapping[str, object]
     engine: str
     scheduler: str | None

@@ -12,6 +12,7 @@ Whether OUTPUT is already up to date is decided before (a fingerprint: `batchctl
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -51,6 +52,14 @@ class Request:
     force: bool = False
     checksum: bool = False
     digests: Mapping[str, str] = field(default_factory=dict)  # --checksum: each input's content hash
+    row_hashes: Mapping[str, str] = field(default_factory=dict)  # each input's metadata table row's hash
+
+    @property
+    def tables(self) -> str:
+        """One hash of every input's metadata row ("": no tables): a resume needs the same."""
+        if not self.row_hashes:
+            return ""
+        return hashlib.sha256("".join(f"{k}\0{v}\n" for k, v in sorted(self.row_hashes.items())).encode()).hexdigest()
     keep_tail: bool = True  # a short last shard may be kept open (the local engine on a local OUTPUT)
     carry_from: str = ""  # where an incremental build reads the rows it carries over
     work_url: str = ""  # the work folder, for messages
@@ -144,7 +153,7 @@ def plan_start(request: Request, interrupted: Interrupted | None, published: Pub
         started = _resumed(request, state, kept, (plan, record), None, notes)
         if started is not None:
             return replace(started, how="incremental", seed=seed)
-    fresh = State(request.spec, request.source, request.classes, request.engine)
+    fresh = State(request.spec, request.source, request.classes, request.engine, tables=request.tables)
     return Start("fresh", fresh, notes=tuple(notes))
 
 
@@ -196,6 +205,9 @@ def _resumed(
         return None
     if state.engine != request.engine:
         notes.append(f"the interrupted build ran on the {state.engine} engine; starting over")
+        return None
+    if state.tables != request.tables:
+        notes.append("the metadata tables changed since the interrupted build; starting over")
         return None
     if kept is None:
         assert interrupted is not None
@@ -346,7 +358,9 @@ def _incremental_plan(request: Request, published: Published, notes: list[str]) 
 
 def _plan(request: Request, record: Record, damaged: Collection[int] = ()) -> Plan:
     items = list(request.items)
-    return incremental.plan(record, items, request.digests, request.checksum, request.keep_tail, damaged)
+    return incremental.plan(
+        record, items, request.digests, request.checksum, request.keep_tail, damaged, request.row_hashes
+    )
 
 
 def _seed(request: Request, plan: Plan, record: Record, published: Published) -> tuple[Seed, State]:
@@ -367,7 +381,7 @@ def _seed(request: Request, plan: Plan, record: Record, published: Published) ->
             lines.append(ShardDone(batch.shard, published.shard_hashes.get(plan.kept_shards[batch.shard], {})))
     damaged = tuple(sorted(published.damaged))
     seeded = Seeded(record.build_id, record.sha256, request.carry_from, tail, plan.kept_samples, damaged)
-    state = State(request.spec, request.source, request.classes, request.engine, seeded)
+    state = State(request.spec, request.source, request.classes, request.engine, seeded, request.tables)
     carried = tuple(sorted({run.shard for run in plan.carry}))
     return Seed(tuple(plan.kept_shards), tail, carried, tuple(lines)), state
 

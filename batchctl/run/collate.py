@@ -235,7 +235,7 @@ class Collator:
         assert self.layout is not None and self.batch is not None
         source_index, labels, sources = provenance(runs_of(output))
         parts = iter(output.parts)
-        (_, relpath, _, size, mtime_ns, part, _), left = next(parts)  # the task whose rows come next, and how many
+        (_, relpath, _, size, mtime_ns, part, *_), left = next(parts)  # the task whose rows come next, and how many
         done = 0
         while done < output.rows:
             batch, start = self.batch, self.batch.rows
@@ -256,7 +256,7 @@ class Collator:
                 take, left = take - placed, left - placed
                 _append_run(batch.entries, FileRun(relpath, placed, left == 0, size, mtime_ns, part[0] if part else 0))
                 if left == 0 and (take or done < output.rows):  # more rows follow: the next task's
-                    (_, relpath, _, size, mtime_ns, part, _), left = next(parts)
+                    (_, relpath, _, size, mtime_ns, part, *_), left = next(parts)
             if batch.rows == self.layout.batch_size:
                 self._write_batch()
 

@@ -44,6 +44,20 @@ def check_schema(schema: metadata.Schema, found: metadata.Schema) -> str | None:
     return None
 
 
+def add_table_values(
+    preprocessor: Preprocessor, columns: dict[str, np.ndarray], values: tuple[tuple[str, str, Any], ...]
+) -> None:
+    """The file's metadata row as fields of each of its samples (one value, repeated)."""
+    rows = len(next(iter(columns.values())))
+    for name, dtype, value in values:
+        if name in columns:
+            raise PreprocessorError(
+                f"preprocessor {preprocessor.name} returned the field {name!r}, which is also a metadata column: "
+                "rename one of them"
+            )
+        columns[name] = np.full(rows, value, dtype=dtype)
+
+
 NUMERIC_KINDS = "biufc"  # what a field holds: booleans, integers, floats, complex numbers
 
 
@@ -118,7 +132,7 @@ def preprocess_file(
 ) -> dict[str, np.ndarray] | str:
     """One file (or part of one): its rows, less those an interrupted run wrote, or the one-line
     reason it is skipped."""
-    _, relpath, _, _, _, part, skip = task
+    _, relpath, _, _, _, part, skip, values = task
     path: Path | str = relpath
     try:
         with source.local_file(relpath) as path:
@@ -126,6 +140,8 @@ def preprocess_file(
     except Exception as exc:  # noqa: BLE001 - any failure of one file is that file's error
         return describe_error(exc).replace(f" '{path}'", "").replace(str(path), relpath)
     check_fields(preprocessor, columns)  # the preprocessor's fault, not the file's: raised, ending the build
+    if values:
+        add_table_values(preprocessor, columns, values)
     if skip:
         columns = {name: column[skip:] for name, column in columns.items()}
     return columns

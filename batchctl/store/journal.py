@@ -310,9 +310,12 @@ class State:
     classes: list[str] | None
     engine: str = "local"
     incremental: Seeded | None = None
+    tables: str = ""  # the hash of the metadata tables' rows it started with ("": none)
 
     def to_json(self) -> dict[str, Any]:
         found = {"spec": self.spec, "source": self.source, "classes": self.classes, "engine": self.engine}
+        if self.tables:
+            found["tables"] = self.tables
         if self.incremental is not None:
             seeded = self.incremental
             incremental: dict[str, Any] = {
@@ -348,7 +351,11 @@ def parse_state(value: Any) -> State:
             tuple(whole(shard, "a damaged shard") for shard in _listed(given.get("damaged_shards", []))),
         )
     spec = mapping(found.get("spec"), "spec")
-    return State(spec, text(found.get("source"), "source"), check_classes(found.get("classes")), engine, seeded)
+    tables = found.get("tables", "")
+    if not isinstance(tables, str):
+        raise Untrusted(f"tables is {tables!r}")
+    classes = check_classes(found.get("classes"))
+    return State(spec, text(found.get("source"), "source"), classes, engine, seeded, tables)
 
 
 def _listed(value: Any) -> list[Any]:

@@ -56,6 +56,7 @@ class Record:
     batches: tuple[BatchLine, ...]  # in order, without their chunks' places
     skipped: Mapping[str, Skipped] = field(default_factory=dict)
     digests: Mapping[str, str] = field(default_factory=dict)  # relpath -> content hash (--checksum)
+    rows: Mapping[str, str] = field(default_factory=dict)  # relpath -> its metadata table row's hash
     sha256: str = ""  # of the record's bytes as read (a resumed incremental build checks it again)
 
     @property
@@ -85,7 +86,7 @@ def record_bytes(record: Record) -> bytes:
         "checksum": record.checksum,
         "skipped": {relpath: list(entry) for relpath, entry in record.skipped.items()},
         "digests": record.digests,
-    }
+    } | ({"rows": record.rows} if record.rows else {})
     lines = [json.dumps(header)] + [json.dumps(to_json(batch, chunks=False)) for batch in record.batches]
     return ("\n".join(lines) + "\n").encode()
 
@@ -126,6 +127,9 @@ def read_record(where: str, storage_options: Mapping[str, Any], build_id: str, s
     digests = mapping(head.get("digests"), "digests")
     for relpath, found in digests.items():
         text(found, f"the digest of {relpath!r}")
+    rows = mapping(head.get("rows", {}), "rows")
+    for relpath, found in rows.items():
+        text(found, f"the metadata row hash of {relpath!r}")
     return Record(
         build_id=build_id,
         spec=mapping(head.get("spec"), "spec"),
@@ -138,6 +142,7 @@ def read_record(where: str, storage_options: Mapping[str, Any], build_id: str, s
         batches=batches,
         skipped=_skipped(head.get("skipped")),
         digests=digests,
+        rows=rows,
         sha256=digest,
     )
 

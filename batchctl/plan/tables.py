@@ -1,0 +1,244 @@
+"""Metadata tables beside the files (the Hugging Face ImageFolder convention): a `metadata.csv`,
+`metadata.jsonl` or `metadata.parquet` in SOURCE or any sub-folder names files in its `file_name`
+column, relative to its own folder, and its other columns are values of those files' samples.
+
+Read once, in the parent, before any work: each file's values travel with its task, so no worker
+reads a table. A column of numbers (or true/false) becomes a numeric field; `--label COLUMN` makes
+a column of names (or whole numbers) the class label. Columns of other values (text, lists,
+objects) are left out, and said so. A row that cannot be used (no `file_name`, a file not there,
+a file named twice, a value missing or of another type than its column's) is one skip naming the
+table and its line.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from batchctl.errors import UsageError
+from batchctl.store import metadata
+
+TABLE_NAMES = ("metadata.csv", "metadata.jsonl", "metadata.parquet")
+FILE_NAME = "file_name"
+MAX_TABLE_BYTES = 2**30  # a table is read whole (CSV and JSONL); a larger one is refused in one line
+
+# a column's kind -> the dtype of its field
+DTYPES = {"bool": "bool", "int": "int64", "float": "float64"}
+
+
+@dataclass
+class Tables:
+    """What the tables say: each named file's values (`(field, dtype, value)`, in column order)
+    and label, the hash of its row (an edited row is a changed file), the columns left out, and
+    the rows that cannot be used."""
+
+    values: dict[str, tuple[tuple[str, str, Any], ...]] = field(default_factory=dict)
+    labels: dict[str, Any] = field(default_factory=dict)  # relpath -> its --label value
+    row_hashes: dict[str, str] = field(default_factory=dict)
+    left_out: list[str] = field(default_factory=list)  # "metadata.csv: column 'caption' is text, ..."
+    bad_rows: list[tuple[str, str]] = field(default_factory=list)  # ("TABLE:LINE", why)
+    classes: list[str] | None = None  # --label's names, in label order
+
+    def label_of(self, relpath: str) -> int:
+        assert self.classes is not None
+        value = self.labels[relpath]
+        return int(value) if isinstance(value, int) else self.classes.index(value)
+
+
+@dataclass
+class _Row:
+    table: str  # the table's path relative to SOURCE
+    line: int
+    relpath: str
+    cells: dict[str, Any]
+
+    @property
+    def where(self) -> str:
+        return f"{self.table}:{self.line}"
+
+
+def is_table(relpath: str) -> bool:
+    return relpath.rsplit("/", 1)[-1] in TABLE_NAMES
+
+
+def read_tables(root: Path, tables: Iterable[str], present: set[str], label: str | None) -> Tables:
+    """The tables at these paths (relative to `root`), over the files `present` there."""
+    rows: list[_Row] = []
+    found = Tables()
+    for table in sorted(tables):
+        folder = table.rsplit("/", 1)[0] + "/" if "/" in table else ""
+        for line, cells in _rows(root / table, table):
+            if isinstance(cells, str):
+                found.bad_rows.append((f"{table}:{line}", cells))
+                continue
+            name = cells.pop(FILE_NAME, None)
+            if not isinstance(name, str) or not name:
+                found.bad_rows.append((f"{table}:{line}", f"no {FILE_NAME}"))
+                continue
+            rows.append(_Row(table, line, folder + name.lstrip("./"), cells))
+    rows = _named_once(rows, present, found)
+    kinds = _column_kinds(rows, label, found)
+    for row in rows:
+        _take(row, kinds, label, found)
+    if label is not None:
+        found.classes = _classes(found.labels.values(), kinds.get(label))
+    return found
+
+
+def _rows(path: Path, table: str) -> Iterable[tuple[int, dict[str, Any] | str]]:
+    """(line, cells) of a table, or (line, why it cannot be read) for a malformed line."""
+    try:
+        if path.stat().st_size > MAX_TABLE_BYTES:
+            raise UsageError(f"{table} is larger than {MAX_TABLE_BYTES >> 20} MiB; split it")
+        if table.endswith(".parquet"):
+            yield from _parquet_rows(path, table)
+            return
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise UsageError(f"{table} cannot be read: {exc.strerror or exc}") from None
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{table} is not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
+    if table.endswith(".jsonl"):
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                cells = json.loads(line)
+            except ValueError:
+                yield number, "not a JSON object"
+                continue
+            yield number, cells if isinstance(cells, dict) else "not a JSON object"
+        return
+    reader = csv.reader(io.StringIO(text, newline=""))
+    header = next(reader, None)
+    if not header or FILE_NAME not in header:
+        raise UsageError(f"{table} has no {FILE_NAME} column (its first line names the columns)")
+    for values in reader:
+        number = reader.line_num
+        if not any(value.strip() for value in values):
+            continue
+        if len(values) != len(header):
+            yield number, f"{len(values)} cells, the header names {len(header)}"
+            continue
+        yield number, {name: _cell(value) for name, value in zip(header, values, strict=True)}
+
+
+def _parquet_rows(path: Path, table: str) -> Iterable[tuple[int, dict[str, Any] | str]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise UsageError(f"{table}: reading Parquet needs pyarrow: pip install 'batchctl[tables]'") from None
+    number = 0
+    for group in pq.ParquetFile(path).iter_batches():  # a row group at a time, never the whole table
+        for cells in group.to_pylist():
+            number += 1
+            yield number, cells
+
+
+def _cell(value: str) -> Any:
+    """A CSV cell as the value it spells: a whole number, a number, true/false, else text (an
+    empty cell: None)."""
+    stripped = value.strip()
+    if not stripped:
+        return None
+    if stripped.lower() in ("true", "false"):
+        return stripped.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(stripped)
+        except ValueError:
+            pass
+    return value
+
+
+def _named_once(rows: list[_Row], present: set[str], found: Tables) -> list[_Row]:
+    first: dict[str, _Row] = {}
+    kept = []
+    for row in rows:
+        if row.relpath not in present:
+            found.bad_rows.append((row.where, f"names {row.relpath}, which is not there"))
+        elif row.relpath in first:
+            found.bad_rows.append((row.where, f"names {row.relpath} again (first on {first[row.relpath].where})"))
+        else:
+            first[row.relpath] = row
+            kept.append(row)
+    return kept
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, int):
+        return "int"
+    if isinstance(value, float):
+        return "float"
+    return "text" if isinstance(value, str) else "list" if isinstance(value, list) else "object"
+
+
+def _column_kinds(rows: list[_Row], label: str | None, found: Tables) -> dict[str, str]:
+    """Each column's kind, from all its values (whole numbers among floats are floats); the
+    columns that become no field are said once each."""
+    seen: dict[str, set[str]] = {}
+    for row in rows:
+        for name, value in row.cells.items():
+            if value is not None:
+                seen.setdefault(name, set()).add(_kind(value))
+    kinds = {}
+    for name, found_kinds in seen.items():
+        kind = "float" if found_kinds == {"int", "float"} else found_kinds.pop() if len(found_kinds) == 1 else "mixed"
+        if name == label:
+            if kind not in ("text", "int"):
+                raise UsageError(f"--label {label}: the column holds {kind} values, not class names or whole numbers")
+            kinds[name] = kind
+        elif kind in DTYPES:
+            if name in metadata.RESERVED_FIELDS or metadata.ragged_part(name)[1]:
+                raise UsageError(f"the metadata column {name!r} is a name batchctl keeps for itself: rename it")
+            kinds[name] = kind
+        else:
+            found.left_out.append(f"the metadata column {name!r} is left out: batchctl stores no {kind} values yet")
+    if label is not None and label not in kinds:
+        raise UsageError(f"--label {label}: no metadata table has that column")
+    return kinds
+
+
+def _take(row: _Row, kinds: Mapping[str, str], label: str | None, found: Tables) -> None:
+    values = []
+    labelled = None
+    for name, kind in kinds.items():
+        value = row.cells.get(name)
+        if value is None:
+            found.bad_rows.append((row.where, f"no value for the column {name!r}"))
+            return
+        if kind == "float" and _kind(value) == "int":
+            value = float(value)
+        if _kind(value) != kind:
+            found.bad_rows.append((row.where, f"the column {name!r} holds {kind} values, this row {value!r}"))
+            return
+        if name == label:
+            if kind == "int" and value < 0:
+                found.bad_rows.append((row.where, f"the label {value} is negative"))
+                return
+            labelled = value
+        else:
+            values.append((name, DTYPES[kind], value))
+    found.values[row.relpath] = tuple(values)
+    if labelled is not None:
+        found.labels[row.relpath] = labelled
+    found.row_hashes[row.relpath] = hashlib.sha256(json.dumps([values, labelled]).encode()).hexdigest()
+
+
+def _classes(labels: Iterable[Any], kind: str | None) -> list[str]:
+    """Class names in label order: a column of names sorted; whole numbers name themselves (0 to
+    the largest, so that a label keeps its value)."""
+    values = set(labels)
+    if kind == "int":
+        return [str(n) for n in range(max(values, default=-1) + 1)]
+    return sorted(str(v) for v in values)

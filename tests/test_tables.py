@@ -1,0 +1,154 @@
+"""Metadata tables beside the files: `metadata.csv` / `metadata.jsonl` name files by `file_name`;
+`--label COLUMN` gives the classes, numeric columns become fields. The real CLI on real files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import batchctl
+from tests.conftest import run_cli
+
+NPY = ["--preprocess", "npy", "--batch-size", "4", "--workers", "2"]
+
+
+def arrays(folder: Path, count: int) -> list[str]:
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        np.save(folder / f"a{i}.npy", np.full(3, i, np.float32))
+    return [f"a{i}.npy" for i in range(count)]
+
+
+def rows_of(out: Path) -> dict[str, dict[str, object]]:
+    ds = batchctl.open(out)
+    found: dict[str, dict[str, object]] = {}
+    for batch in ds:
+        for i, source in enumerate(batch["source"]):
+            found[str(source)] = {k: batch[k][i].tolist() for k in batch if k not in ("source", "source_index")}
+    return found
+
+
+@pytest.fixture
+def kaggle(tmp_path: Path) -> Path:
+    """A flat folder of arrays and a metadata.csv: a class name, a score, a flag and a caption."""
+    src = tmp_path / "src"
+    names = arrays(src / "imgs", 10)
+    lines = ["file_name,species,score,flag,caption"]
+    for i, name in enumerate(names):
+        lines.append(f"imgs/{name},{['cat', 'dog'][i % 2]},{i * 0.5},{str(i % 3 == 0).lower()},a caption {i}")
+    lines += ["imgs/gone.npy,cat,1,true,x", "imgs/a1.npy,cat,1,true,again", ",cat,1,true,no name", "imgs/a2.npy,cat"]
+    (src / "metadata.csv").write_text("\n".join(lines) + "\n")
+    np.save(src / "imgs" / "unnamed.npy", np.zeros(3, np.float32))
+    return src
+
+
+def test_a_metadata_csv_gives_labels_and_fields_and_names_each_bad_line(kaggle: Path, tmp_path: Path) -> None:
+    out, report = tmp_path / "o.zarr", tmp_path / "r.json"
+    result = run_cli("build", kaggle, "-o", out, *NPY, "--label", "species", "--report", report)
+    assert result.returncode == 0, result.stderr
+    ds = batchctl.open(out)
+    assert ds.classes == ["cat", "dog"] and ds.num_samples == 10
+    rows = rows_of(out)
+    for i in range(10):
+        row = rows[f"imgs/a{i}.npy"]
+        assert row == {"array": [float(i)] * 3, "score": i * 0.5, "flag": i % 3 == 0, "label": i % 2}
+    assert ds.fields["score"][1] == np.dtype("float64") and ds.fields["flag"][1] == np.dtype("bool")
+    skipped = {error["source"]: error["error"] for error in json.loads(report.read_text())["errors"]}
+    assert skipped == {
+        "metadata.csv:12": "names imgs/gone.npy, which is not there",
+        "metadata.csv:13": "names imgs/a1.npy again (first on metadata.csv:3)",
+        "metadata.csv:14": "no file_name",
+        "metadata.csv:15": "2 cells, the header names 5",
+    }
+    assert "the metadata column 'caption' is left out: batchctl stores no text values yet" in result.stderr
+    assert json.loads(report.read_text())["ignored"]["paths"] == ["imgs/unnamed.npy"]  # no row names it
+    assert run_cli("verify", out).returncode == 0
+
+
+def test_an_edited_label_reprocesses_that_file_only(kaggle: Path, tmp_path: Path) -> None:
+    out, report = tmp_path / "o.zarr", tmp_path / "r.json"
+    args = ["build", kaggle, "-o", out, *NPY, "--label", "species", "--report", report]
+    assert run_cli(*args).returncode == 0
+    assert "up to date" in run_cli(*args).stderr
+    table = kaggle / "metadata.csv"
+    table.write_text(table.read_text().replace("imgs/a3.npy,dog,1.5", "imgs/a3.npy,cat,7.5"))
+    result = run_cli(*args)
+    assert result.returncode == 0, result.stderr
+    data = json.loads(report.read_text())
+    assert data["processed"] == 1 and data["changed"]["paths"] == ["imgs/a3.npy"]
+    assert rows_of(out)["imgs/a3.npy"] == {"array": [3.0] * 3, "score": 7.5, "flag": True, "label": 0}
+    fresh = tmp_path / "fresh.zarr"
+    assert run_cli("build", kaggle, "-o", fresh, *NPY, "--label", "species").returncode == 0
+    assert rows_of(out) == rows_of(fresh)
+
+
+def test_a_jsonl_table_in_a_sub_folder_names_files_beside_it_and_whole_numbers_label_themselves(
+    tmp_path: Path,
+) -> None:
+    src = tmp_path / "src"
+    names = arrays(src / "part1", 6)
+    lines = [json.dumps({"file_name": n, "y": [0, 2, 5][i % 3], "w": i}) for i, n in enumerate(names)]
+    (src / "part1" / "metadata.jsonl").write_text("\n".join([*lines, "{not json"]) + "\n")
+    out, report = tmp_path / "o.zarr", tmp_path / "r.json"
+    result = run_cli("build", src, "-o", out, *NPY, "--label", "y", "--report", report)
+    assert result.returncode == 0, result.stderr
+    ds = batchctl.open(out)
+    assert ds.classes == ["0", "1", "2", "3", "4", "5"]  # a label keeps its value
+    rows = rows_of(out)
+    assert {name: (row["label"], row["w"]) for name, row in rows.items()} == {
+        f"part1/a{i}.npy": ([0, 2, 5][i % 3], i) for i in range(6)
+    }
+    assert [e["source"] for e in json.loads(report.read_text())["errors"]] == ["part1/metadata.jsonl:7"]
+
+
+@pytest.mark.parametrize(
+    ("table", "said"),
+    [
+        ("file_name,kind\na0.npy,1.5\n", "--label kind: the column holds float values, not class names or whole"),
+        ("file_name,other\na0.npy,x\n", "--label kind: no metadata table has that column"),
+        ("name,kind\na0.npy,cat\n", "metadata.csv has no file_name column"),
+        ("file_name,kind,label\na0.npy,cat,3\n", "the metadata column 'label' is a name batchctl keeps for itself"),
+    ],
+)
+def test_a_table_that_cannot_label_is_one_usage_error(tmp_path: Path, table: str, said: str) -> None:
+    src = tmp_path / "src"
+    arrays(src, 2)
+    (src / "metadata.csv").write_text(table)
+    result = run_cli("build", src, "-o", tmp_path / "o.zarr", *NPY, "--label", "kind")
+    assert result.returncode == 2 and said in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def test_label_without_a_table_is_a_usage_error(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    arrays(src, 2)
+    result = run_cli("build", src, "-o", tmp_path / "o.zarr", *NPY, "--label", "kind")
+    assert result.returncode == 2 and "holds no metadata.csv or metadata.jsonl or metadata.parquet" in result.stderr
+
+
+def test_a_non_utf8_table_is_one_line(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    arrays(src, 2)
+    (src / "metadata.csv").write_bytes("file_name,kind\na0.npy,caf\xe9\n".encode("latin-1"))
+    result = run_cli("build", src, "-o", tmp_path / "o.zarr", *NPY, "--label", "kind")
+    assert result.returncode == 2 and "metadata.csv is not UTF-8 text" in result.stderr, result.stderr
+
+
+def test_a_parquet_table_read_by_row_groups(tmp_path: Path) -> None:
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    src = tmp_path / "src"
+    names = arrays(src, 9)
+    kinds, weights = [["a", "b", "c"][i % 3] for i in range(9)], [i * 1.5 for i in range(9)]
+    table = pa.table({"file_name": names, "kind": kinds, "w": weights})
+    pq.write_table(table, src / "metadata.parquet", row_group_size=4)  # three row groups
+    out = tmp_path / "o.zarr"
+    result = run_cli("build", src, "-o", out, *NPY, "--label", "kind")
+    assert result.returncode == 0, result.stderr
+    assert batchctl.open(out).classes == ["a", "b", "c"]
+    assert {name: (row["label"], row["w"]) for name, row in rows_of(out).items()} == {
+        f"a{i}.npy": (i % 3, i * 1.5) for i in range(9)
+    }
