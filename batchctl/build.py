@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Unpack
 
 from batchctl.errors import BuildFailed, BuildInterrupted, PipelineError, UsageError
+from batchctl.plan import tables
 from batchctl.plan.discover import Discovery, check_source, discover, hash_files
 from batchctl.plan.options import BuildKwargs, BuildOptions, build_options, dataset_spec, default_workers
 from batchctl.plan.start import Interrupted, Published, Request, Start, plan_resume, plan_start, untrusted_work
@@ -157,7 +158,8 @@ class _Builder:
             )
         start = self._start(discovery, output)
         written = start.written()
-        tasks = make_tasks(self.preprocessor, self.pp_options, self.source, discovery.items, written, start.only)
+        root = tables.files_root(self.source)
+        tasks = make_tasks(self.preprocessor, self.pp_options, root, discovery.items, written, start.only)
         check_signalled()
         self.marks["planned"] = time.monotonic()
         self.tally.files = len(discovery.items) + len(discovery.unreadable)
@@ -251,7 +253,7 @@ class _Builder:
         config = PipelineConfig(
             self.preprocessor,
             self.pp_options,
-            SourceRoot(self.source, self.options.storage_options),
+            SourceRoot(tables.files_root(self.source), self.options.storage_options),
             self.options.workers,
             self.options.timeout,
             collator=CollatorConfig(
@@ -291,7 +293,7 @@ class _Builder:
 
         job = DaskJob(
             work=self.work,
-            source=SourceRoot(self.source, self.options.storage_options),
+            source=SourceRoot(tables.files_root(self.source), self.options.storage_options),
             preprocessor=self.preprocessor,
             pp_options=self.pp_options,
             batch_size=self.options.batch_size,
@@ -360,6 +362,7 @@ class _Builder:
             self.options.storage_options,
             self.output,
             self.options.label,
+            self.options.path_column,
         )
         self.report.ignored, self.report.ignored_paths = discovery.ignored, discovery.ignored_paths
         return discovery
@@ -367,7 +370,9 @@ class _Builder:
     def _fingerprint(self, discovery: Discovery) -> str:
         """What a dataset built from these files with these options says it was built from."""
         if self.options.checksum:
-            self.digests = hash_files(self.source, discovery.items, self.options.storage_options, self.options.workers)
+            self.digests = hash_files(
+                tables.files_root(self.source), discovery.items, self.options.storage_options, self.options.workers
+            )
         return discovery.fingerprint([self.spec, discovery.classes], digests=self.digests)
 
     def _recover_publish(self) -> Output:

@@ -103,7 +103,8 @@ def build(
         str,
         typer.Argument(
             metavar="SOURCE",
-            help="Folder (or URL, s3://bucket/raw/) of input files, walked recursively (hidden ignored).",
+            help="Folder (or URL, s3://bucket/raw/) of input files, walked recursively (hidden ignored); "
+            "or a table (.csv, .tsv, .jsonl, .parquet) whose rows name the files.",
         ),
     ],
     output: Annotated[
@@ -135,10 +136,14 @@ def build(
         Optional[str],
         typer.Option(
             metavar="COLUMN",
-            help="The column of metadata.csv/.jsonl/.parquet (beside the files) whose names or whole "
-            "numbers are the class labels.",
+            help="The column of metadata.csv/.jsonl/.parquet (beside the files), or of a table SOURCE, "
+            "whose names or whole numbers are the class labels.",
         ),
     ] = None,
+    path_column: Annotated[
+        str,
+        typer.Option(metavar="NAME", help="A table SOURCE's column naming each file (relative to the table)."),
+    ] = "file_name",
     resize: Annotated[
         Optional[int], typer.Option(help="image: shorter side after resizing (default 256).", min=1, metavar="N")
     ] = None,
@@ -236,6 +241,7 @@ def build(
         "preprocess": preprocess,
         "include": include,
         "label": label,
+        "path_column": path_column,
         "resize": resize,
         "crop": crop,
         "layout": layout.value if layout is not None else None,

@@ -60,7 +60,7 @@ def test_a_metadata_csv_gives_labels_and_fields_and_names_each_bad_line(kaggle: 
     assert skipped == {
         "metadata.csv:12": "names imgs/gone.npy, which is not there",
         "metadata.csv:13": "names imgs/a1.npy again (first on metadata.csv:3)",
-        "metadata.csv:14": "no file_name",
+        "metadata.csv:14": "no file name",
         "metadata.csv:15": "2 cells, the header names 5",
     }
     assert "the metadata column 'caption' is left out: batchctl stores no text values yet" in result.stderr
@@ -152,3 +152,34 @@ def test_a_parquet_table_read_by_row_groups(tmp_path: Path) -> None:
     assert {name: (row["label"], row["w"]) for name, row in rows_of(out).items()} == {
         f"a{i}.npy": (i % 3, i * 1.5) for i in range(9)
     }
+
+
+def test_a_table_as_source_names_its_files_and_rebuilds_an_edited_row_alone(tmp_path: Path) -> None:
+    """`batchctl build train.tsv`: its rows name files relative to its folder (`--path-column`),
+    the dataset goes beside it as train.zarr; a path outside its folder, or a URL, is a skip."""
+    folder = tmp_path / "data"
+    names = arrays(folder / "x", 7)
+    lines = ["path\tkind\tweight", *(f"x/{n}\t{'ab'[i % 2]}\t{i}" for i, n in enumerate(names))]
+    lines += ["../outside.npy\ta\t1", "https://example.com/a.npy\ta\t1"]
+    table = folder / "train.tsv"
+    table.write_text("\n".join(lines) + "\n")
+    report = tmp_path / "r.json"
+    args = ["build", table, *NPY, "--label", "kind", "--path-column", "path", "--report", report]
+    result = run_cli(*args)
+    assert result.returncode == 0, result.stderr
+    out = folder / "train.zarr"
+    assert batchctl.open(out).classes == ["a", "b"]
+    assert {name: (row["label"], row["weight"]) for name, row in rows_of(out).items()} == {
+        f"x/a{i}.npy": (i % 2, i) for i in range(7)
+    }
+    skipped = {error["source"]: error["error"] for error in json.loads(report.read_text())["errors"]}
+    assert skipped == {
+        "train.tsv:9": "names ../outside.npy, outside the table's folder",
+        "train.tsv:10": "names the URL https://example.com/a.npy: batchctl does not fetch URLs named in tables yet",
+    }
+    assert "up to date" in run_cli(*args).stderr
+    table.write_text(table.read_text().replace("x/a4.npy\ta\t4", "x/a4.npy\tb\t40"))
+    assert run_cli(*args).returncode == 0
+    data = json.loads(report.read_text())
+    assert data["processed"] == 1 and data["changed"]["paths"] == ["x/a4.npy"]
+    assert rows_of(out)["x/a4.npy"] == {"array": [4.0] * 3, "weight": 40, "label": 1}

@@ -124,9 +124,10 @@ def walk_files(root: Path, skip: str | None = None) -> Iterable[tuple[str, os.st
 
 
 def check_source(source: str) -> None:
-    """A local SOURCE must be a folder: a usage error, found before anything is done (or locked)."""
-    if not storage.is_url(source) and not Path(source).is_dir():
-        raise UsageError(f"SOURCE {source} is not a folder.")
+    """A local SOURCE must be a folder or a table: a usage error, found before anything is done
+    (or locked)."""
+    if not storage.is_url(source) and not Path(source).is_dir() and not tables.is_table_source(source):
+        raise UsageError(f"SOURCE {source} is not a folder (nor a table: .csv, .tsv, .jsonl, .parquet).")
 
 
 def discover(
@@ -136,6 +137,7 @@ def discover(
     storage_options: Mapping[str, Any] | None = None,
     output: str | None = None,
     label: str | None = None,
+    path_column: str = tables.FILE_NAME,
 ) -> Discovery:
     """Files `accepts` takes become work items; the rest are counted as ignored, and so are
     FIFOs, sockets and devices (reading one could block for ever).
@@ -154,6 +156,8 @@ def discover(
             raise UsageError("--label reads metadata tables in a local SOURCE folder; a URL SOURCE has none yet")
         return _discover_url(source, accepts, seed, storage_options, skip)
     check_source(source)
+    if tables.is_table_source(source):
+        return _discover_table(Path(source), accepts, seed, label, path_column)
     found: list[tuple[str, int, int]] = []
     ignored: list[str] = []
     unreadable: list[tuple[str, str]] = []
@@ -180,6 +184,42 @@ def discover(
     return _tabled(Path(source), table_paths, found, ignored, unreadable, seed, label)
 
 
+def _discover_table(
+    table: Path, accepts: Callable[[str], bool], seed: int | None, label: str | None, path_column: str
+) -> Discovery:
+    """SOURCE is a table: its rows name the files (relative to its folder), one sample source
+    each, with their values; a named file the preprocessor does not take is ignored."""
+    stats: dict[str, os.stat_result] = {}
+
+    def present(relpath: str) -> bool:
+        try:
+            stat = os.stat(table.parent / relpath)
+        except OSError:
+            return False
+        if S_ISREG(stat.st_mode):
+            stats[relpath] = stat
+        return S_ISREG(stat.st_mode)
+
+    read = tables.read_tables(table.parent, [table.name], present, label, path_column)
+    found, ignored = [], []
+    for relpath in read.values:
+        if accepts(relpath):
+            found.append((relpath, stats[relpath].st_size, stats[relpath].st_mtime_ns))
+        else:
+            ignored.append(relpath)
+    if label is None:
+        items = [WorkItem(rel, -1, size, mtime_ns) for rel, size, mtime_ns in found]
+    else:
+        items = [WorkItem(rel, read.label_of(rel), size, mtime_ns) for rel, size, mtime_ns in found]
+    for item in items:
+        item.values = read.values[item.relpath]
+    discovery = Discovery(
+        _shuffled(items, seed), read.classes, len(ignored), read.bad_rows, ignored[:IGNORED_LISTED], read.row_hashes
+    )
+    discovery.notes = [*read.left_out, f"{len(items)} files named by {table.name}"]
+    return discovery
+
+
 def _tabled(
     root: Path,
     table_paths: list[str],
@@ -192,7 +232,8 @@ def _tabled(
     """The files the tables name, with their values; the files they do not name are ignored
     (counted and listed, as files the preprocessor does not take). Labels: `label`'s column, or
     the class folders as without tables."""
-    read = tables.read_tables(root, table_paths, {rel for rel, _, _ in found}, label)
+    names = {rel for rel, _, _ in found}
+    read = tables.read_tables(root, table_paths, names.__contains__, label)
     named = [entry for entry in found if entry[0] in read.values]
     ignored.extend(rel for rel, _, _ in found if rel not in read.values)
     unreadable.extend(read.bad_rows)

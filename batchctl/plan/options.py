@@ -38,6 +38,7 @@ class BuildOptions:
     timeout: float | None = None
     include: tuple[str, ...] = ()
     label: str | None = None  # the metadata tables' column of class labels (names or whole numbers)
+    path_column: str = "file_name"  # a table's column naming each file
     storage_options: Mapping[str, Any] = field(default_factory=dict)  # for a URL OUTPUT (fsspec)
     engine: str = "local"  # or "dask": a dask.distributed cluster preprocesses and writes shards
     scheduler: str | None = None  # the Dask scheduler's address; None starts a local cluster
@@ -79,7 +80,13 @@ def dataset_spec(options: BuildOptions, preprocessor: Preprocessor, pp_options: 
             "code": preprocessor.code,
         },
         "include": list(options.include),
-    } | ({"label": options.label} if options.label is not None else {})  # (a dataset without keeps its spec)
+    } | _table_spec(options)
+
+
+def _table_spec(options: BuildOptions) -> dict[str, Any]:
+    """The table options, where given (a dataset built without them keeps the spec it had)."""
+    found: dict[str, Any] = {} if options.label is None else {"label": options.label}
+    return found | ({} if options.path_column == "file_name" else {"path_column": options.path_column})
 
 
 class BuildKwargs(TypedDict, total=False):
@@ -102,6 +109,7 @@ class BuildKwargs(TypedDict, total=False):
     timeout: float | None
     include: Sequence[str]
     label: str | None
+    path_column: str
     storage_options: Mapping[str, object]
     engine: str
     scheduler: str | None

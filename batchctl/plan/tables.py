@@ -16,7 +16,8 @@ import csv
 import hashlib
 import io
 import json
-from collections.abc import Iterable, Mapping
+import posixpath
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from batchctl.errors import UsageError
 from batchctl.store import metadata
 
 TABLE_NAMES = ("metadata.csv", "metadata.jsonl", "metadata.parquet")
+SOURCE_SUFFIXES = (".csv", ".tsv", ".jsonl", ".parquet")  # a table given as SOURCE itself
 FILE_NAME = "file_name"
 MAX_TABLE_BYTES = 2**30  # a table is read whole (CSV and JSONL); a larger one is refused in one line
 
@@ -67,21 +69,38 @@ def is_table(relpath: str) -> bool:
     return relpath.rsplit("/", 1)[-1] in TABLE_NAMES
 
 
-def read_tables(root: Path, tables: Iterable[str], present: set[str], label: str | None) -> Tables:
-    """The tables at these paths (relative to `root`), over the files `present` there."""
+def files_root(source: str) -> str:
+    """Where the inputs' paths start: SOURCE, or a table SOURCE's folder."""
+    return str(Path(source).parent) if is_table_source(source) else source
+
+
+def is_table_source(source: str) -> bool:
+    """SOURCE is a table (a local file named *.csv, *.tsv, *.jsonl, *.parquet), not a folder."""
+    return source.lower().endswith(SOURCE_SUFFIXES) and Path(source).is_file()
+
+
+def read_tables(
+    root: Path,
+    tables: Iterable[str],
+    present: Callable[[str], bool],
+    label: str | None,
+    path_column: str = FILE_NAME,
+) -> Tables:
+    """The tables at these paths (relative to `root`), over the files there (`present`)."""
     rows: list[_Row] = []
     found = Tables()
     for table in sorted(tables):
         folder = table.rsplit("/", 1)[0] + "/" if "/" in table else ""
-        for line, cells in _rows(root / table, table):
+        for line, cells in _rows(root / table, table, path_column):
             if isinstance(cells, str):
                 found.bad_rows.append((f"{table}:{line}", cells))
                 continue
-            name = cells.pop(FILE_NAME, None)
-            if not isinstance(name, str) or not name:
-                found.bad_rows.append((f"{table}:{line}", f"no {FILE_NAME}"))
+            name = cells.pop(path_column, None)
+            relpath = _relpath(folder, name)
+            if relpath.startswith("!"):
+                found.bad_rows.append((f"{table}:{line}", relpath[1:].strip()))
                 continue
-            rows.append(_Row(table, line, folder + name.lstrip("./"), cells))
+            rows.append(_Row(table, line, relpath, cells))
     rows = _named_once(rows, present, found)
     kinds = _column_kinds(rows, label, found)
     for row in rows:
@@ -91,7 +110,19 @@ def read_tables(root: Path, tables: Iterable[str], present: set[str], label: str
     return found
 
 
-def _rows(path: Path, table: str) -> Iterable[tuple[int, dict[str, Any] | str]]:
+def _relpath(folder: str, name: Any) -> str:
+    """The file a row names, relative to SOURCE; or "!" and why it names none."""
+    if not isinstance(name, str) or not name.strip():
+        return "! no file name"
+    if "://" in name:
+        return f"! names the URL {name}: batchctl does not fetch URLs named in tables yet"
+    relpath = posixpath.normpath(folder + name)
+    if relpath.startswith(("../", "/")) or relpath == "..":
+        return f"! names {name}, outside the table's folder"
+    return relpath
+
+
+def _rows(path: Path, table: str, path_column: str) -> Iterable[tuple[int, dict[str, Any] | str]]:
     """(line, cells) of a table, or (line, why it cannot be read) for a malformed line."""
     try:
         if path.stat().st_size > MAX_TABLE_BYTES:
@@ -117,10 +148,10 @@ def _rows(path: Path, table: str) -> Iterable[tuple[int, dict[str, Any] | str]]:
                 continue
             yield number, cells if isinstance(cells, dict) else "not a JSON object"
         return
-    reader = csv.reader(io.StringIO(text, newline=""))
+    reader = csv.reader(io.StringIO(text, newline=""), delimiter="\t" if table.endswith(".tsv") else ",")
     header = next(reader, None)
-    if not header or FILE_NAME not in header:
-        raise UsageError(f"{table} has no {FILE_NAME} column (its first line names the columns)")
+    if not header or path_column not in header:
+        raise UsageError(f"{table} has no {path_column} column (its first line names the columns)")
     for values in reader:
         number = reader.line_num
         if not any(value.strip() for value in values):
@@ -159,14 +190,14 @@ def _cell(value: str) -> Any:
     return value
 
 
-def _named_once(rows: list[_Row], present: set[str], found: Tables) -> list[_Row]:
+def _named_once(rows: list[_Row], present: Callable[[str], bool], found: Tables) -> list[_Row]:
     first: dict[str, _Row] = {}
     kept = []
     for row in rows:
-        if row.relpath not in present:
-            found.bad_rows.append((row.where, f"names {row.relpath}, which is not there"))
-        elif row.relpath in first:
+        if row.relpath in first:
             found.bad_rows.append((row.where, f"names {row.relpath} again (first on {first[row.relpath].where})"))
+        elif not present(row.relpath):
+            found.bad_rows.append((row.where, f"names {row.relpath}, which is not there"))
         else:
             first[row.relpath] = row
             kept.append(row)

@@ -35,7 +35,8 @@ def normalise(location: str | os.PathLike[str]) -> str:
 
 
 def default_output(source: str | os.PathLike[str]) -> str:
-    """SOURCE's own name plus `.zarr`, beside it: `data/` -> `data.zarr`, `s3://b/raw/` -> `s3://b/raw.zarr`."""
+    """SOURCE's own name plus `.zarr`, beside it: `data/` -> `data.zarr`, `s3://b/raw/` -> `s3://b/raw.zarr`,
+    `train.csv` -> `train.zarr`."""
     where = normalise(source)
     if is_url(where):
         scheme, _, path = where.partition("://")
@@ -45,6 +46,8 @@ def default_output(source: str | os.PathLike[str]) -> str:
         return f"{scheme}://{parent}/{name}.zarr"
     if where == os.path.dirname(where):
         raise UsageError(f"SOURCE {source} is the root folder: name OUTPUT with -o.")
+    if os.path.isfile(where):  # a table: train.csv -> train.zarr
+        where = os.path.splitext(where)[0]
     return where + ".zarr"
 
 
