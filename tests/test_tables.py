@@ -183,3 +183,37 @@ def test_a_table_as_source_names_its_files_and_rebuilds_an_edited_row_alone(tmp_
     data = json.loads(report.read_text())
     assert data["processed"] == 1 and data["changed"]["paths"] == ["x/a4.npy"]
     assert rows_of(out)["x/a4.npy"] == {"array": [4.0] * 3, "weight": 40, "label": 1}
+
+
+def test_lists_become_ragged_fields_and_objects_one_field_per_leaf(tmp_path: Path) -> None:
+    """COCO-style boxes beside each file: `objects: {bbox: [[x, y, w, h], ...], category: [...]}`
+    are the fields `objects.bbox` (n, 4) and `objects.category` (n,); a row whose boxes are not
+    4 wide is a skip."""
+    src = tmp_path / "src"
+    names = arrays(src, 6)
+    lines = []
+    for i, name in enumerate(names):
+        boxes = [[j, j + 0.5, 2, 3] for j in range(i % 3)]
+        lines.append(json.dumps({"file_name": name, "objects": {"bbox": boxes, "category": list(range(i % 3))}}))
+    lines.append(json.dumps({"file_name": "a0.npy"}))
+    (src / "metadata.jsonl").write_text("\n".join(lines) + "\n")
+    (src / "more").mkdir()
+    np.save(src / "more" / "b.npy", np.zeros(3, np.float32))
+    bad = {"file_name": "b.npy", "objects": {"bbox": [[1, 2, 3]], "category": [0]}}
+    (src / "more" / "metadata.jsonl").write_text(json.dumps(bad) + "\n")
+    out, report = tmp_path / "o.zarr", tmp_path / "r.json"
+    result = run_cli("build", src, "-o", out, *NPY, "--report", report)
+    assert result.returncode == 0, result.stderr
+    ds = batchctl.open(out)
+    assert ds.fields["objects.bbox"] == ((-1, 4), np.dtype("float64"))
+    assert ds.fields["objects.category"] == ((-1,), np.dtype("int64"))
+    rows = rows_of(out)
+    for i in range(6):
+        assert rows[f"a{i}.npy"]["objects.bbox"] == [[j, j + 0.5, 2, 3] for j in range(i % 3)]
+        assert rows[f"a{i}.npy"]["objects.category"] == list(range(i % 3))
+    errors = {e["source"]: e["error"] for e in json.loads(report.read_text())["errors"]}
+    assert errors == {
+        "metadata.jsonl:7": "names a0.npy again (first on metadata.jsonl:1)",
+        "more/metadata.jsonl:1": "the column 'objects.bbox' holds rows of (4,), this row (3,)",
+    }
+    assert run_cli("verify", out).returncode == 0

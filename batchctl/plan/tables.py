@@ -3,9 +3,10 @@
 column, relative to its own folder, and its other columns are values of those files' samples.
 
 Read once, in the parent, before any work: each file's values travel with its task, so no worker
-reads a table. A column of numbers (or true/false) becomes a numeric field; `--label COLUMN` makes
-a column of names (or whole numbers) the class label. Columns of other values (text, lists,
-objects) are left out, and said so. A row that cannot be used (no `file_name`, a file not there,
+reads a table. A column of numbers (or true/false) becomes a numeric field, a column of lists of
+numbers a ragged field, a nested object one field per leaf (`objects.bbox`); `--label COLUMN`
+makes a column of names (or whole numbers) the class label. Columns of other values (text, lists
+of text) are left out, and said so. A row that cannot be used (no `file_name`, a file not there,
 a file named twice, a value missing or of another type than its column's) is one skip naming the
 table and its line.
 """
@@ -21,6 +22,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from batchctl.errors import UsageError
 from batchctl.store import metadata
@@ -96,6 +99,7 @@ def read_tables(
                 found.bad_rows.append((f"{table}:{line}", cells))
                 continue
             name = cells.pop(path_column, None)
+            cells = _leaves(cells)
             relpath = _relpath(folder, name)
             if relpath.startswith("!"):
                 found.bad_rows.append((f"{table}:{line}", relpath[1:].strip()))
@@ -107,6 +111,17 @@ def read_tables(
         _take(row, kinds, label, found)
     if label is not None:
         found.classes = _classes(found.labels.values(), kinds.get(label))
+    return found
+
+
+def _leaves(cells: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A row's nested objects as one cell per leaf: `{"objects": {"bbox": ...}}` is `objects.bbox`."""
+    found: dict[str, Any] = {}
+    for name, value in cells.items():
+        if isinstance(value, dict) and value:
+            found.update(_leaves(value, f"{prefix}{name}."))
+        else:
+            found[f"{prefix}{name}"] = value
     return found
 
 
@@ -211,7 +226,21 @@ def _kind(value: Any) -> str:
         return "int"
     if isinstance(value, float):
         return "float"
-    return "text" if isinstance(value, str) else "list" if isinstance(value, list) else "object"
+    if isinstance(value, list):
+        return _list_kind(value)
+    return "text" if isinstance(value, str) else "object"
+
+
+def _list_kind(value: list[Any]) -> str:
+    """`list` (a ragged field's row: numbers, or equal lists of numbers, `[[x, y, w, h], ...]`),
+    `empty`, or `nested list` (of anything else)."""
+    if not value:
+        return "empty"
+    try:
+        array = np.asarray(value)
+    except ValueError:  # lists of unequal lengths
+        return "nested list"
+    return "list" if array.dtype.kind in "biuf" else "nested list"
 
 
 def _column_kinds(rows: list[_Row], label: str | None, found: Tables) -> dict[str, str]:
@@ -224,12 +253,14 @@ def _column_kinds(rows: list[_Row], label: str | None, found: Tables) -> dict[st
                 seen.setdefault(name, set()).add(_kind(value))
     kinds = {}
     for name, found_kinds in seen.items():
+        if found_kinds == {"empty"} or found_kinds == {"list", "empty"}:
+            found_kinds = {"list"}
         kind = "float" if found_kinds == {"int", "float"} else found_kinds.pop() if len(found_kinds) == 1 else "mixed"
         if name == label:
             if kind not in ("text", "int"):
                 raise UsageError(f"--label {label}: the column holds {kind} values, not class names or whole numbers")
             kinds[name] = kind
-        elif kind in DTYPES:
+        elif kind in DTYPES or kind == "list":
             if name in metadata.RESERVED_FIELDS or metadata.ragged_part(name)[1]:
                 raise UsageError(f"the metadata column {name!r} is a name batchctl keeps for itself: rename it")
             kinds[name] = kind
@@ -237,7 +268,21 @@ def _column_kinds(rows: list[_Row], label: str | None, found: Tables) -> dict[st
             found.left_out.append(f"the metadata column {name!r} is left out: batchctl stores no {kind} values yet")
     if label is not None and label not in kinds:
         raise UsageError(f"--label {label}: no metadata table has that column")
+    for name, kind in kinds.items():
+        if kind == "list":
+            kinds[name] = _ragged_dtype(name, [row.cells.get(name) for row in rows])
     return kinds
+
+
+def _ragged_dtype(name: str, values: list[Any]) -> str:
+    """A list column's field: `ragged:DTYPE:TRAILING` (its rows' dtype, and the dimensions after
+    the first, the same in every row: a row whose are not is skipped)."""
+    arrays = [np.asarray(v) for v in values if isinstance(v, list) and v and _list_kind(v) == "list"]
+    dtype = "float64" if any(a.dtype.kind == "f" for a in arrays) else "int64"
+    if arrays and all(a.dtype.kind == "b" for a in arrays):
+        dtype = "bool"
+    trailing = ",".join(str(n) for n in arrays[0].shape[1:]) if arrays else ""
+    return f"ragged:{dtype}:{trailing}"
 
 
 def _take(row: _Row, kinds: Mapping[str, str], label: str | None, found: Tables) -> None:
@@ -248,6 +293,13 @@ def _take(row: _Row, kinds: Mapping[str, str], label: str | None, found: Tables)
         if value is None:
             found.bad_rows.append((row.where, f"no value for the column {name!r}"))
             return
+        if kind.startswith("ragged:"):
+            problem = _ragged_problem(name, kind, value)
+            if problem:
+                found.bad_rows.append((row.where, problem))
+                return
+            values.append((name, kind, value))
+            continue
         if kind == "float" and _kind(value) == "int":
             value = float(value)
         if _kind(value) != kind:
@@ -264,6 +316,16 @@ def _take(row: _Row, kinds: Mapping[str, str], label: str | None, found: Tables)
     if labelled is not None:
         found.labels[row.relpath] = labelled
     found.row_hashes[row.relpath] = hashlib.sha256(json.dumps([values, labelled]).encode()).hexdigest()
+
+
+def _ragged_problem(name: str, kind: str, value: Any) -> str:
+    """Why a list column's cell is not one of its rows ("" when it is)."""
+    trailing = tuple(int(n) for n in kind.rsplit(":", 1)[1].split(",") if n)
+    if not isinstance(value, list) or _kind(value) not in ("list", "empty"):
+        return f"the column {name!r} holds lists of numbers, this row {str(value)[:60]!r}"
+    if value and np.asarray(value).shape[1:] != trailing:
+        return f"the column {name!r} holds rows of {trailing or 'numbers'}, this row {np.asarray(value).shape[1:]}"
+    return ""
 
 
 def _classes(labels: Iterable[Any], kind: str | None) -> list[str]:

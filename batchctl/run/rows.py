@@ -55,7 +55,20 @@ def add_table_values(
                 f"preprocessor {preprocessor.name} returned the field {name!r}, which is also a metadata column: "
                 "rename one of them"
             )
-        columns[name] = np.full(rows, value, dtype=dtype)
+        columns[name] = _table_column(rows, dtype, value)
+
+
+def _table_column(rows: int, dtype: str, value: Any) -> np.ndarray:
+    """A metadata value repeated for each of the file's rows: a numeric column, or (`ragged:`) a
+    ragged field's column of rows."""
+    if not dtype.startswith("ragged:"):
+        return np.full(rows, value, dtype=dtype)
+    _, kind, trailing = dtype.split(":")
+    row = np.asarray(value, dtype=kind).reshape(-1, *(int(n) for n in trailing.split(",") if n))
+    column = np.empty(rows, dtype=object)
+    for i in range(rows):  # (assigned one by one: numpy would make a list of equal arrays one array)
+        column[i] = row
+    return column
 
 
 NUMERIC_KINDS = "biufc"  # what a field holds: booleans, integers, floats, complex numbers
