@@ -327,7 +327,9 @@ class _Builder:
         record = record_of(
             origin, batches, finished, discovery.items, self.report.errors, width, self.digests, discovery.row_hashes
         )
-        notes = self.preprocessor.describe(self.pp_options) if self.preprocessor.describe else {}
+        notes = dict(self.preprocessor.describe(self.pp_options) if self.preprocessor.describe else {})
+        for name in discovery.texts:  # (what a reader that opens the array alone needs to read it as text)
+            notes[name] = {"attributes": meta.TEXT_ATTRIBUTES, "dimension_names": [f"{name}_byte"]}
         attrs = dataset_attrs(origin, self.report.errors, finished)
         known = hashes_by_key(arrays, journal.hashes)
         publishing = time.monotonic()
@@ -365,6 +367,8 @@ class _Builder:
             self.options.path_column,
         )
         self.report.ignored, self.report.ignored_paths = discovery.ignored, discovery.ignored_paths
+        if discovery.texts:  # a wider text field is another layout: the spec says its width
+            self.spec = {**self.spec, "text": dict(sorted(discovery.texts.items()))}
         return discovery
 
     def _fingerprint(self, discovery: Discovery) -> str:

@@ -54,7 +54,9 @@ def test_a_metadata_csv_gives_labels_and_fields_and_names_each_bad_line(kaggle: 
     rows = rows_of(out)
     for i in range(10):
         row = rows[f"imgs/a{i}.npy"]
-        assert row == {"array": [float(i)] * 3, "score": i * 0.5, "flag": i % 3 == 0, "label": i % 2}
+        assert row == {
+            "array": [float(i)] * 3, "score": i * 0.5, "flag": i % 3 == 0, "label": i % 2, "caption": f"a caption {i}"
+        }
     assert ds.fields["score"][1] == np.dtype("float64") and ds.fields["flag"][1] == np.dtype("bool")
     skipped = {error["source"]: error["error"] for error in json.loads(report.read_text())["errors"]}
     assert skipped == {
@@ -63,7 +65,9 @@ def test_a_metadata_csv_gives_labels_and_fields_and_names_each_bad_line(kaggle: 
         "metadata.csv:14": "no file name",
         "metadata.csv:15": "2 cells, the header names 5",
     }
-    assert "the metadata column 'caption' is left out: batchctl stores no text values yet" in result.stderr
+    assert ds.fields["caption"] == ((), np.dtype("<U"))  # text: UTF-8 rows, read as str
+    loaded = next(iter(ds.loader(batch_size=4, seed=1)))
+    assert [rows[s]["caption"] for s in loaded["source"]] == list(loaded["caption"])
     assert json.loads(report.read_text())["ignored"]["paths"] == ["imgs/unnamed.npy"]  # no row names it
     assert run_cli("verify", out).returncode == 0
 
@@ -79,7 +83,9 @@ def test_an_edited_label_reprocesses_that_file_only(kaggle: Path, tmp_path: Path
     assert result.returncode == 0, result.stderr
     data = json.loads(report.read_text())
     assert data["processed"] == 1 and data["changed"]["paths"] == ["imgs/a3.npy"]
-    assert rows_of(out)["imgs/a3.npy"] == {"array": [3.0] * 3, "score": 7.5, "flag": True, "label": 0}
+    assert rows_of(out)["imgs/a3.npy"] == {
+        "array": [3.0] * 3, "score": 7.5, "flag": True, "label": 0, "caption": "a caption 3"
+    }
     fresh = tmp_path / "fresh.zarr"
     assert run_cli("build", kaggle, "-o", fresh, *NPY, "--label", "species").returncode == 0
     assert rows_of(out) == rows_of(fresh)
@@ -217,3 +223,26 @@ def test_lists_become_ragged_fields_and_objects_one_field_per_leaf(tmp_path: Pat
         "more/metadata.jsonl:1": "the column 'objects.bbox' holds rows of (4,), this row (3,)",
     }
     assert run_cli("verify", out).returncode == 0
+
+
+def test_text_is_stored_as_utf8_rows_other_readers_open_and_a_longer_one_rebuilds(
+    kaggle: Path, tmp_path: Path
+) -> None:
+    """A caption column: a (rows, width) uint8 array of zero-padded UTF-8 (as `source`), marked
+    `encoding: UTF-8` for zarr-python and tensorstore; a caption longer than the width (32-byte
+    steps) is another layout, so the rebuild builds everything, saying why."""
+    import zarr
+
+    out = tmp_path / "o.zarr"
+    args = ["build", kaggle, "-o", out, *NPY, "--label", "species"]
+    assert run_cli(*args).returncode == 0
+    array = zarr.open_array(str(out / "caption"), mode="r")
+    assert (array.dtype, array.shape[1], array.attrs["encoding"]) == (np.dtype("uint8"), 32, "UTF-8")
+    texts = {bytes(row).rstrip(b"\0").decode() for row in array[:]}
+    assert texts == {f"a caption {i}" for i in range(10)}
+    table = kaggle / "metadata.csv"
+    table.write_text(table.read_text().replace("a caption 5", "ünïcode " * 8))
+    result = run_cli(*args)
+    assert result.returncode == 0
+    assert "building everything: text was {'caption': 32}, now {'caption': 96}" in result.stderr
+    assert rows_of(out)["imgs/a5.npy"]["caption"] == "ünïcode " * 8

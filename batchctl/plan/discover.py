@@ -29,6 +29,7 @@ class Discovery:
     unreadable: list[tuple[str, str]] = field(default_factory=list)
     ignored_paths: list[str] = field(default_factory=list)  # the first IGNORED_LISTED, in walk order
     row_hashes: dict[str, str] = field(default_factory=dict)  # relpath -> its metadata row's hash
+    texts: dict[str, int] = field(default_factory=dict)  # the tables' text fields and their widths
     notes: list[str] = field(default_factory=list)  # what the user is told of the metadata tables
 
     def fingerprint(
@@ -217,6 +218,7 @@ def _discover_table(
         _shuffled(items, seed), read.classes, len(ignored), read.bad_rows, ignored[:IGNORED_LISTED], read.row_hashes
     )
     discovery.notes = [*read.left_out, f"{len(items)} files named by {table.name}"]
+    discovery.texts = read.texts
     return discovery
 
 
@@ -244,7 +246,7 @@ def _tabled(
         discovery = Discovery(_shuffled(items, seed), read.classes, len(ignored), unreadable, ignored[:IGNORED_LISTED])
     for item in discovery.items:
         item.values = read.values[item.relpath]
-    discovery.row_hashes = read.row_hashes
+    discovery.row_hashes, discovery.texts = read.row_hashes, read.texts
     discovery.notes = [*read.left_out, f"{len(named)} files named by {len(table_paths)} metadata table(s)"]
     return discovery
 

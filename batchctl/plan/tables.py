@@ -5,8 +5,9 @@ column, relative to its own folder, and its other columns are values of those fi
 Read once, in the parent, before any work: each file's values travel with its task, so no worker
 reads a table. A column of numbers (or true/false) becomes a numeric field, a column of lists of
 numbers a ragged field, a nested object one field per leaf (`objects.bbox`); `--label COLUMN`
-makes a column of names (or whole numbers) the class label. Columns of other values (text, lists
-of text) are left out, and said so. A row that cannot be used (no `file_name`, a file not there,
+makes a column of names (or whole numbers) the class label, and other text is a text field (UTF-8
+rows, as `source` is stored). Columns of other values (lists of text, mixed kinds) are left out,
+and said so. A row that cannot be used (no `file_name`, a file not there,
 a file named twice, a value missing or of another type than its column's) is one skip naming the
 table and its line.
 """
@@ -44,6 +45,7 @@ class Tables:
     the rows that cannot be used."""
 
     values: dict[str, tuple[tuple[str, str, Any], ...]] = field(default_factory=dict)
+    texts: dict[str, int] = field(default_factory=dict)  # text field -> its rows' width in UTF-8 bytes
     labels: dict[str, Any] = field(default_factory=dict)  # relpath -> its --label value
     row_hashes: dict[str, str] = field(default_factory=dict)
     left_out: list[str] = field(default_factory=list)  # "metadata.csv: column 'caption' is text, ..."
@@ -260,7 +262,7 @@ def _column_kinds(rows: list[_Row], label: str | None, found: Tables) -> dict[st
             if kind not in ("text", "int"):
                 raise UsageError(f"--label {label}: the column holds {kind} values, not class names or whole numbers")
             kinds[name] = kind
-        elif kind in DTYPES or kind == "list":
+        elif kind in DTYPES or kind in ("list", "text"):
             if name in metadata.RESERVED_FIELDS or metadata.ragged_part(name)[1]:
                 raise UsageError(f"the metadata column {name!r} is a name batchctl keeps for itself: rename it")
             kinds[name] = kind
@@ -271,6 +273,10 @@ def _column_kinds(rows: list[_Row], label: str | None, found: Tables) -> dict[st
     for name, kind in kinds.items():
         if kind == "list":
             kinds[name] = _ragged_dtype(name, [row.cells.get(name) for row in rows])
+        elif kind == "text" and name != label:
+            texts = [v for row in rows if isinstance(v := row.cells.get(name), str)]
+            found.texts[name] = metadata.source_width(texts)  # (rounded up: an edit rarely needs more)
+            kinds[name] = f"text:{found.texts[name]}"
     return kinds
 
 
@@ -297,6 +303,12 @@ def _take(row: _Row, kinds: Mapping[str, str], label: str | None, found: Tables)
             problem = _ragged_problem(name, kind, value)
             if problem:
                 found.bad_rows.append((row.where, problem))
+                return
+            values.append((name, kind, value))
+            continue
+        if kind.startswith("text:"):
+            if not isinstance(value, str):
+                found.bad_rows.append((row.where, f"the column {name!r} holds text, this row {value!r}"))
                 return
             values.append((name, kind, value))
             continue

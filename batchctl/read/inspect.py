@@ -82,6 +82,8 @@ def _array_note(ds: Dataset, name: str) -> str | None:
     field_name, part = metadata.ragged_part(name)
     if name == metadata.SOURCE:
         return "UTF-8 paths, zero-padded"
+    if name in ds.texts:
+        return "UTF-8 text, zero-padded"
     if part == metadata.OFFSETS_SUFFIX:
         return f"ragged {field_name}: each sample's [start, stop) in its batch's row of values"
     if part == metadata.VALUES_SUFFIX:
@@ -312,7 +314,7 @@ def _batch_problems(
             continue
         if name in spec and spec[name].ragged:
             problems += _ragged_problems(name, index, batch[name], spec[name])
-        elif name in spec and batch[name].shape[1:] != spec[name].shape:
+        elif name in spec and name not in ds.texts and batch[name].shape[1:] != spec[name].shape:
             problems.append(Problem(f"{name} batch {index}", f"rows of shape {batch[name].shape[1:]}"))
     if metadata.SOURCE in batch and metadata.SOURCE_INDEX in batch:
         for source, row in zip(batch[metadata.SOURCE], batch[metadata.SOURCE_INDEX], strict=True):

@@ -35,7 +35,6 @@ from batchctl.read.order import (
     family_problem,
     padding_rows,
 )
-from batchctl.store.metadata import SOURCE
 
 STATE_FORMAT = "batchctl.loader/1"
 
@@ -141,8 +140,14 @@ RAGGED_MODES = ("list", "pad")
 
 def object_fields(fields: Mapping[str, tuple[tuple[int, ...], Any]]) -> list[str]:
     """The fields read as rows of Python objects, gathered rather than read into place: `source`
-    (str) and ragged fields (arrays of varying length, their row shape starting with -1)."""
-    return [name for name, (shape, _) in fields.items() if name == SOURCE or (shape and shape[0] == -1)]
+    and text fields (str) and ragged fields (arrays of varying length, their row shape starting
+    with -1)."""
+    return [name for name, (shape, dtype) in fields.items() if is_text(dtype) or (shape and shape[0] == -1)]
+
+
+def is_text(dtype: Any) -> bool:
+    """A field read as str: `source`, a table's text column."""
+    return bool(np.dtype(dtype).kind == "U")
 
 
 def check_ragged_mode(ragged: str) -> str:
@@ -234,7 +239,8 @@ class Loader:
         if crop is not None and not self.images:
             raise UsageError(f"{dataset.path} has no encoded image field to crop (build it with --store jpeg or png)")
         self.ragged = check_ragged_mode(ragged)
-        self.ragged_names = [n for n in object_fields(dataset.fields) if n != SOURCE and n not in self.images]
+        fields = dataset.fields
+        self.ragged_names = [n for n in object_fields(fields) if not is_text(fields[n][1]) and n not in self.images]
         self.rank, self.world_size = rank, world_size
         size = dataset.batch_size if batch_size is None else batch_size
         # partitions not given: one per rank, fixed by the run that starts (a loaded state's are taken)

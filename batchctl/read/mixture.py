@@ -41,6 +41,7 @@ from batchctl.read.loader import (
     BatchSource,
     check_ragged_mode,
     default_prefetch,
+    is_text,
     object_fields,
     ragged_output,
     read_into,
@@ -56,7 +57,6 @@ from batchctl.read.order import (
     share_layout,
 )
 from batchctl.read.views import FieldsOf, Readable
-from batchctl.store.metadata import SOURCE
 
 STATE_FORMAT = "batchctl.mix/1"
 DATASET = "dataset"  # the field naming each row's source (its index in the mixture's sources)
@@ -202,7 +202,9 @@ class MixedLoader:
         if self.crop is not None and not self.images:
             raise UsageError("the sources share no encoded image field to crop (build them with --store jpeg or png)")
         first = next(iter(self.sources.values())).fields
-        self.ragged_names = [n for n in object_fields(first) if n in self.fields and n not in (SOURCE, *self.images)]
+        self.ragged_names = [
+            n for n in object_fields(first) if n in self.fields and not is_text(first[n][1]) and n not in self.images
+        ]
         # one group of each source ahead: the reads of every source share the window (`_MixReads`)
         self.prefetch = default_prefetch(checked.mix, checked.shuffle, remote=True) if prefetch is None else prefetch
         self.weights = {name: float(weights[name]) for name in self.names}
@@ -497,7 +499,8 @@ class _MixReads:
         self.sources, self.fields, self.counts, self.view = sources, fields, counts, view
         self.allocate = allocate
         first = view(sources[0], 0).fields  # (decoded images' shapes where the mixture decodes)
-        self.objects = [name for name in object_fields(first) if name in fields]  # `source`, ragged fields
+        self.objects = [name for name in object_fields(first) if name in fields]  # `source`, text, ragged fields
+        self.texts = [name for name in self.objects if is_text(first[name][1])]
         self.numeric = {name: first[name] for name in fields if name not in self.objects}
         self.targets: dict[tuple[int, int, int], list[tuple[int, np.ndarray, np.ndarray]]] = {}
         for i, plan in enumerate(plans):
@@ -570,8 +573,8 @@ class _MixReads:
         for read in self.reads.pop(i, []):
             read.result()
         out = self.outputs.pop(i)
-        if SOURCE in out:
-            out[SOURCE] = np.array(out[SOURCE].tolist())
+        for name in self.texts:
+            out[name] = np.array(out[name].tolist())
         out[DATASET] = np.repeat(np.arange(len(self.sources), dtype=np.int16), self.counts)
         return out
 

@@ -74,6 +74,8 @@ class Dataset:
         self._fast = self._chunk_readers()
         # ragged fields (docs/format.md): read as offsets, then the batch's values
         self.ragged = {name: spec for name, spec in self.attrs.schema.items() if spec.ragged and self.arrays}
+        # text fields (a table's text columns) and `source`: rows of UTF-8 bytes, read as str
+        self.texts = {name for name, arr in self.arrays.items() if name == metadata.SOURCE or metadata.is_text(arr)}
         self._values = {name: self._values_reader(name) for name in self.ragged}
         self._present: set[tuple[str, int]] = set()
 
@@ -145,7 +147,7 @@ class Dataset:
             field_name, part = metadata.ragged_part(name)
             if part == metadata.VALUES_SUFFIX:
                 found[field_name] = ((-1, *self.ragged[field_name].shape), np.dtype(arr.dtype))
-            elif name == metadata.SOURCE:
+            elif name in self.texts:
                 found[name] = ((), np.dtype(np.str_))
             elif not part:
                 found[name] = (tuple(arr.shape[1:]), np.dtype(arr.dtype))
@@ -172,7 +174,7 @@ class Dataset:
         index, start, stop = self._rows_of(index)
         into = dict(into or {})
         for name, rows in into.items():
-            if name == metadata.SOURCE or len(rows) != self.batch_size:
+            if name in self.texts or len(rows) != self.batch_size:
                 raise ValueError(f"expected {self.batch_size} row buffers of numeric {name}, got {len(rows)}")
         names = [name for name in self.fields if name not in into] if fields is None else fields
         ragged = [name for name in names if name in self.ragged]
@@ -182,7 +184,7 @@ class Dataset:
         out: Batch = {}
         for name in arrays:
             values = whole[name][: stop - start] if name in whole else self._read_zarr(name, start, stop)
-            out[name] = fmt.decode_sources(values) if name == metadata.SOURCE else values
+            out[name] = fmt.decode_sources(values) if name in self.texts else values
         for name in ragged:
             offsets = out[metadata.offsets_array(name)]
             where = f"{self.path}: {name} batch {index}"

@@ -14,7 +14,7 @@ from batchctl.errors import PreprocessorError
 from batchctl.preprocess import Preprocessor, Sample
 from batchctl.preprocess.base import ragged_rows
 from batchctl.records import SentTask, Task, TaskOutput, TaskResult, describe_error, sent_start
-from batchctl.store import metadata
+from batchctl.store import format as fmt, metadata
 from batchctl.store.storage import SourceRoot
 
 Run = tuple[str, int, int, int]  # rows of one file: (relpath, sample number of the first, label, rows)
@@ -61,6 +61,8 @@ def add_table_values(
 def _table_column(rows: int, dtype: str, value: Any) -> np.ndarray:
     """A metadata value repeated for each of the file's rows: a numeric column, or (`ragged:`) a
     ragged field's column of rows."""
+    if dtype.startswith("text:"):
+        return np.repeat(fmt.encode_sources([value], int(dtype[5:])), rows, axis=0)
     if not dtype.startswith("ragged:"):
         return np.full(rows, value, dtype=dtype)
     _, kind, trailing = dtype.split(":")

@@ -290,6 +290,14 @@ def read_dataset_attrs(location: str, storage_options: Mapping[str, Any] | None 
 
 ArrayNotes = Mapping[str, Mapping[str, Any]]  # field -> {"dimension_names": [...], "attributes": {...}}
 
+TEXT_ATTRIBUTES = {"encoding": "UTF-8", "meaning": "text, zero-padded to the row's width"}  # a text field
+
+
+def is_text(arr: Any) -> bool:
+    """A text field's array (a table's text column): rows of UTF-8 bytes, as `source` is stored."""
+    return str(arr.dtype) == "uint8" and len(arr.shape) == 2 and arr.attrs.get("encoding") == "UTF-8"
+
+
 OWN_ATTRIBUTES: dict[str, dict[str, Any]] = {
     SOURCE: {"encoding": "UTF-8", "meaning": "the sample's file, relative to SOURCE, zero-padded to the row's width"},
     SOURCE_INDEX: {"meaning": "the sample's place among the samples of its file, from 0"},
