@@ -7,9 +7,8 @@ reads a table. A column of numbers (or true/false) becomes a numeric field, a co
 numbers a ragged field, a nested object one field per leaf (`objects.bbox`); `--label COLUMN`
 makes a column of names (or whole numbers) the class label, and other text is a text field (UTF-8
 rows, as `source` is stored). Columns of other values (lists of text, mixed kinds) are left out,
-and said so. A row that cannot be used (no `file_name`, a file not there,
-a file named twice, a value missing or of another type than its column's) is one skip naming the
-table and its line.
+and said so. A row that cannot be used (no file name, a file not there, a file named twice, a
+value missing or of another type than its column's) is one skip naming the table and its line.
 """
 
 from __future__ import annotations
@@ -48,14 +47,19 @@ class Tables:
     texts: dict[str, int] = field(default_factory=dict)  # text field -> its rows' width in UTF-8 bytes
     labels: dict[str, Any] = field(default_factory=dict)  # relpath -> its --label value
     row_hashes: dict[str, str] = field(default_factory=dict)
-    left_out: list[str] = field(default_factory=list)  # "metadata.csv: column 'caption' is text, ..."
+    left_out: list[str] = field(default_factory=list)  # "the metadata column 'tags' is left out: ..."
     bad_rows: list[tuple[str, str]] = field(default_factory=list)  # ("TABLE:LINE", why)
     classes: list[str] | None = None  # --label's names, in label order
+    _ids: dict[str, int] = field(default_factory=dict)  # a name's label (made from `classes` once)
 
     def label_of(self, relpath: str) -> int:
         assert self.classes is not None
         value = self.labels[relpath]
-        return int(value) if isinstance(value, int) else self.classes.index(value)
+        if isinstance(value, int):
+            return value
+        if len(self._ids) != len(self.classes):
+            self._ids = {name: i for i, name in enumerate(self.classes)}
+        return self._ids[value]
 
 
 @dataclass
@@ -100,13 +104,11 @@ def read_tables(
             if isinstance(cells, str):
                 found.bad_rows.append((f"{table}:{line}", cells))
                 continue
-            name = cells.pop(path_column, None)
-            cells = _leaves(cells)
-            relpath = _relpath(folder, name)
-            if relpath.startswith("!"):
-                found.bad_rows.append((f"{table}:{line}", relpath[1:].strip()))
+            relpath, why = _relpath(folder, cells.pop(path_column, None))
+            if why:
+                found.bad_rows.append((f"{table}:{line}", why))
                 continue
-            rows.append(_Row(table, line, relpath, cells))
+            rows.append(_Row(table, line, relpath, _leaves(cells)))
     rows = _named_once(rows, present, found)
     kinds = _column_kinds(rows, label, found)
     for row in rows:
@@ -127,16 +129,16 @@ def _leaves(cells: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return found
 
 
-def _relpath(folder: str, name: Any) -> str:
-    """The file a row names, relative to SOURCE; or "!" and why it names none."""
+def _relpath(folder: str, name: Any) -> tuple[str, str]:
+    """The file a row names, relative to SOURCE, or why it names none."""
     if not isinstance(name, str) or not name.strip():
-        return "! no file name"
+        return "", "no file name"
     if "://" in name:
-        return f"! names the URL {name}: batchctl does not fetch URLs named in tables yet"
+        return "", f"names the URL {name}: batchctl does not fetch URLs named in tables yet"
     relpath = posixpath.normpath(folder + name)
     if relpath.startswith(("../", "/")) or relpath == "..":
-        return f"! names {name}, outside the table's folder"
-    return relpath
+        return "", f"names {name}, outside the table's folder"
+    return relpath, ""
 
 
 def _rows(path: Path, table: str, path_column: str) -> Iterable[tuple[int, dict[str, Any] | str]]:
