@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -246,3 +248,61 @@ def test_text_is_stored_as_utf8_rows_other_readers_open_and_a_longer_one_rebuild
     assert result.returncode == 0
     assert "building everything: text was {'caption': 32}, now {'caption': 96}" in result.stderr
     assert rows_of(out)["imgs/a5.npy"]["caption"] == "ünïcode " * 8
+
+
+@pytest.fixture
+def web(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """A real HTTP server on loopback serving a folder, in a thread."""
+    import functools
+    import http.server
+    import threading
+
+    served = tmp_path / "www"
+    served.mkdir()
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(served)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", served
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_table_of_urls_is_fetched_by_the_workers_and_a_failed_fetch_is_one_skip(
+    web: tuple[str, Path], tmp_path: Path
+) -> None:
+    """img2dataset's shape: `url,caption` rows. The workers fetch each URL (retrying what
+    passes), `source` is the URL, a 404 or a refused connection is a skip naming the URL."""
+    base, served = web
+    names = arrays(served, 5)
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))  # a port nobody listens on
+    port = closed.getsockname()[1]
+    closed.close()
+    lines = ["url,caption", *(f"{base}/{n},text {i}" for i, n in enumerate(names))]
+    lines += [f"{base}/gone.npy,x", f"http://127.0.0.1:{port}/a.npy,y", "ftp://example.com/a.npy,z"]
+    table = tmp_path / "urls.csv"
+    table.write_text("\n".join(lines) + "\n")
+    out, report = tmp_path / "urls.zarr", tmp_path / "r.json"
+    args = ["build", table, *NPY, "--path-column", "url", "--report", report]
+    result = run_cli(*args, timeout=120)
+    assert result.returncode == 0, result.stderr
+    rows = rows_of(out)
+    captions = {name: row["caption"] for name, row in rows.items()}
+    assert captions == {f"{base}/{n}": f"text {i}" for i, n in enumerate(names)}
+    assert all(rows[f"{base}/a{i}.npy"]["array"] == [float(i)] * 3 for i in range(5))
+    errors = {e["source"]: e["error"] for e in json.loads(report.read_text())["errors"]}
+    assert errors[f"{base}/gone.npy"] == f"cannot fetch {base}/gone.npy: HTTP 404 File not found"
+    assert errors[f"http://127.0.0.1:{port}/a.npy"].startswith(f"cannot fetch http://127.0.0.1:{port}/a.npy: ")
+    assert errors["urls.csv:9"].startswith("names ftp://example.com/a.npy, a URL of a scheme batchctl does not fetch")
+    (served / "gone.npy").write_bytes((served / "a0.npy").read_bytes())  # back: the next run fetches it
+    again = run_cli(*args, timeout=120)
+    assert again.returncode == 0, again.stderr
+    data = json.loads(report.read_text())
+    assert data["processed"] == 2 and f"{base}/gone.npy" in rows_of(out)  # the two failed fetches, tried again

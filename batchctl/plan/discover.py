@@ -193,6 +193,8 @@ def _discover_table(
     stats: dict[str, os.stat_result] = {}
 
     def present(relpath: str) -> bool:
+        if "://" in relpath:  # a URL: fetched by the worker (a failed fetch is that row's skip)
+            return True
         try:
             stat = os.stat(table.parent / relpath)
         except OSError:
@@ -201,11 +203,12 @@ def _discover_table(
             stats[relpath] = stat
         return S_ISREG(stat.st_mode)
 
-    read = tables.read_tables(table.parent, [table.name], present, label, path_column)
+    read = tables.read_tables(table.parent, [table.name], present, label, path_column, urls=True)
     found, ignored = [], []
     for relpath in read.values:
+        stat = stats.get(relpath)  # (none for a URL: its stamp is its row's, (0, 0) here)
         if accepts(relpath):
-            found.append((relpath, stats[relpath].st_size, stats[relpath].st_mtime_ns))
+            found.append((relpath, stat.st_size if stat else 0, stat.st_mtime_ns if stat else 0))
         else:
             ignored.append(relpath)
     if label is None:

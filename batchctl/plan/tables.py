@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from batchctl.errors import UsageError
-from batchctl.store import metadata
+from batchctl.store import metadata, storage
 
 TABLE_NAMES = ("metadata.csv", "metadata.jsonl", "metadata.parquet")
 SOURCE_SUFFIXES = (".csv", ".tsv", ".jsonl", ".parquet")  # a table given as SOURCE itself
@@ -94,8 +94,10 @@ def read_tables(
     present: Callable[[str], bool],
     label: str | None,
     path_column: str = FILE_NAME,
+    urls: bool = False,
 ) -> Tables:
-    """The tables at these paths (relative to `root`), over the files there (`present`)."""
+    """The tables at these paths (relative to `root`), over the files there (`present`); with
+    `urls`, a row may name a URL instead (a table SOURCE: the workers fetch it)."""
     rows: list[_Row] = []
     found = Tables()
     for table in sorted(tables):
@@ -104,7 +106,7 @@ def read_tables(
             if isinstance(cells, str):
                 found.bad_rows.append((f"{table}:{line}", cells))
                 continue
-            relpath, why = _relpath(folder, cells.pop(path_column, None))
+            relpath, why = _relpath(folder, cells.pop(path_column, None), urls)
             if why:
                 found.bad_rows.append((f"{table}:{line}", why))
                 continue
@@ -129,12 +131,16 @@ def _leaves(cells: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return found
 
 
-def _relpath(folder: str, name: Any) -> tuple[str, str]:
-    """The file a row names, relative to SOURCE, or why it names none."""
+def _relpath(folder: str, name: Any, urls: bool) -> tuple[str, str]:
+    """The file a row names, relative to SOURCE (or a URL, where `urls`), or why it names none."""
     if not isinstance(name, str) or not name.strip():
         return "", "no file name"
     if "://" in name:
-        return "", f"names the URL {name}: batchctl does not fetch URLs named in tables yet"
+        if not urls:
+            return "", f"names the URL {name}: only a table SOURCE may name URLs"
+        if name.split("://", 1)[0].lower() not in storage.URL_SCHEMES:
+            return "", f"names {name}, a URL of a scheme batchctl does not fetch ({', '.join(storage.URL_SCHEMES)})"
+        return name, ""
     relpath = posixpath.normpath(folder + name)
     if relpath.startswith(("../", "/")) or relpath == "..":
         return "", f"names {name}, outside the table's folder"

@@ -29,8 +29,9 @@ class Tally:
         if result.task.first == 0:
             self.report.processed += 1  # files, not parts: a file's first part counts it
         self.new_samples += result.samples
-        if result.error is not None:
-            self.error(result.task.item.relpath, result.error, retry=result.transient)
+        if result.error is not None:  # (a URL's failed fetch is tried again by the next run, as a lost worker's file)
+            relpath = result.task.item.relpath
+            self.error(relpath, result.error, retry=result.transient or "://" in relpath)
 
     def rejected(self, event: Rejected) -> None:
         """The collator refused a file's samples (they do not fit the dataset's schema)."""

@@ -13,7 +13,12 @@ import functools
 import inspect
 import json
 import os
+import shutil
 import tempfile
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -208,6 +213,34 @@ def parse_storage_options(pairs: list[str]) -> dict[str, Any]:
     return nested
 
 
+FETCH_TRIES = 3  # a URL's fetch is tried this often over passing failures (connection, 5xx), 0.5 s apart, then 1 s
+URL_SCHEMES = ("http", "https", "s3", "gs", "gcs", "az", "abfs")  # what a table's row may name
+
+
+def fetch_url(url: str, path: str, storage_options: Mapping[str, Any] | None = None) -> None:
+    """Copy the URL's bytes into `path`: http(s) by the standard library, an object store by
+    fsspec (`storage_options`). Raises OSError naming the URL and why, after FETCH_TRIES tries
+    for failures that pass; at once for one that will not (HTTP 4xx, a missing object)."""
+    for attempt in range(FETCH_TRIES):
+        try:
+            if url.startswith(("http://", "https://")):
+                with urllib.request.urlopen(url, timeout=30) as response, open(path, "wb") as out:
+                    shutil.copyfileobj(response, out, 2**20)
+            else:
+                filesystem(url, storage_options).get_file(fs_path(url), path)
+            return
+        except urllib.error.HTTPError as exc:
+            if exc.code < 500 or attempt == FETCH_TRIES - 1:
+                raise OSError(errno.EIO, f"cannot fetch {url}: HTTP {exc.code} {exc.reason}") from None
+        except FileNotFoundError:
+            raise OSError(errno.ENOENT, f"cannot fetch {url}: no such object") from None
+        except (OSError, urllib.error.URLError) as exc:
+            if attempt == FETCH_TRIES - 1:
+                reason = getattr(exc, "reason", None) or exc.strerror or exc
+                raise OSError(errno.EIO, f"cannot fetch {url}: {reason} ({FETCH_TRIES} tries)") from None
+        time.sleep(0.5 * (attempt + 1))
+
+
 @dataclass(frozen=True)
 class SourceRoot:
     """SOURCE as workers see it: a folder, or a URL whose objects are fetched one at a time."""
@@ -222,10 +255,20 @@ class SourceRoot:
 
     def local_file(self, relpath: str) -> contextlib.AbstractContextManager[Path]:
         """A local path holding `relpath`: the file itself, or a temporary copy of the object
-        (preprocessors and plugins take paths), removed once the file is preprocessed."""
+        or of the URL a table names (preprocessors and plugins take paths), removed once the
+        file is preprocessed."""
+        if "://" in relpath:  # a table's row names a URL (a walked path never holds "//")
+            return self._fetched_url(relpath)
         if self.folder is not None:  # checked once per source, not per file (tiny files count)
             return contextlib.nullcontext(self.folder / relpath)
         return self._fetched(relpath)
+
+    @contextlib.contextmanager
+    def _fetched_url(self, url: str) -> Iterator[Path]:
+        suffix = PurePosixPath(urllib.parse.urlsplit(url).path).suffix
+        with tempfile.NamedTemporaryFile(prefix="batchctl-", suffix=suffix) as copy:
+            fetch_url(url, copy.name, self.storage_options)
+            yield Path(copy.name)
 
     @contextlib.contextmanager
     def _fetched(self, relpath: str) -> Iterator[Path]:
