@@ -44,7 +44,9 @@ def dataset_attrs(origin: Origin, errors: Sequence[FileError], finished: Finishe
     return meta.DatasetAttrs(
         batch_size=origin.batch_size,
         shard_batches=finished.shard_batches if finished else origin.shard_batches or 0,
-        fields=finished.schema if finished else {},
+        # by name: a resumed build's collator learns the fields from the arrays there, a fresh one
+        # from its first sample's order, and the attributes must be the same bytes either way
+        fields=dict(sorted(finished.schema.items())) if finished else {},
         classes=origin.classes,
         preprocess=origin.spec["preprocess"],
         compression=origin.compression,

@@ -93,12 +93,12 @@ def test_dask_builds_match_whatever_their_workers_and_the_local_build(photos: Pa
     assert_same_tree(local, outputs[0])
 
 
-def _interrupted_runs(source: Path, output: Path, rng: random.Random) -> list[str]:
+def _interrupted_runs(source: Path, output: Path, rng: random.Random, *extra: str) -> list[str]:
     """Start the build and stop its whole process group at a random moment (from the first
     instant to past the publish), one to three times, then let it finish."""
     happened = []
     for _ in range(rng.randint(1, 3)):
-        proc = start_cli("build", source, "-o", output, *SLOW, "--workers", "2", "--quiet")
+        proc = start_cli("build", source, "-o", output, *SLOW, *extra, "--workers", "2", "--quiet")
         sig = rng.choice([signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
         time.sleep(rng.uniform(0.0, 2.5))
         kill_group(proc, sig)
@@ -107,7 +107,7 @@ def _interrupted_runs(source: Path, output: Path, rng: random.Random) -> list[st
         assert proc.returncode in (0, -9, 128 + sig, -sig), err
         assert "Traceback" not in err, err
         happened.append(f"{sig.name} -> {proc.returncode}")
-    build(source, output, *SLOW, "--workers", "2")
+    build(source, output, *SLOW, *extra, "--workers", "2")
     return happened
 
 

@@ -164,11 +164,11 @@ def test_a_parquet_table_read_by_row_groups(tmp_path: Path) -> None:
 
 def test_a_table_as_source_names_its_files_and_rebuilds_an_edited_row_alone(tmp_path: Path) -> None:
     """`batchctl build train.tsv`: its rows name files relative to its folder (`--path-column`),
-    the dataset goes beside it as train.zarr; a path outside its folder, or a URL, is a skip."""
+    the dataset goes beside it as train.zarr; a path outside its folder is a skip."""
     folder = tmp_path / "data"
     names = arrays(folder / "x", 7)
     lines = ["path\tkind\tweight", *(f"x/{n}\t{'ab'[i % 2]}\t{i}" for i, n in enumerate(names))]
-    lines += ["../outside.npy\ta\t1", "https://example.com/a.npy\ta\t1"]
+    lines += ["../outside.npy\ta\t1"]
     table = folder / "train.tsv"
     table.write_text("\n".join(lines) + "\n")
     report = tmp_path / "r.json"
@@ -181,10 +181,7 @@ def test_a_table_as_source_names_its_files_and_rebuilds_an_edited_row_alone(tmp_
         f"x/a{i}.npy": (i % 2, i) for i in range(7)
     }
     skipped = {error["source"]: error["error"] for error in json.loads(report.read_text())["errors"]}
-    assert skipped == {
-        "train.tsv:9": "names ../outside.npy, outside the table's folder",
-        "train.tsv:10": "names the URL https://example.com/a.npy: batchctl does not fetch URLs named in tables yet",
-    }
+    assert skipped == {"train.tsv:9": "names ../outside.npy, outside the table's folder"}
     assert "up to date" in run_cli(*args).stderr
     table.write_text(table.read_text().replace("x/a4.npy\ta\t4", "x/a4.npy\tb\t40"))
     assert run_cli(*args).returncode == 0
@@ -306,3 +303,44 @@ def test_a_table_of_urls_is_fetched_by_the_workers_and_a_failed_fetch_is_one_ski
     assert again.returncode == 0, again.stderr
     data = json.loads(report.read_text())
     assert data["processed"] == 2 and f"{base}/gone.npy" in rows_of(out)  # the two failed fetches, tried again
+
+
+def test_a_table_build_killed_at_random_moments_ends_with_the_same_bytes(tmp_path: Path) -> None:
+    """A table SOURCE with labels, numbers and text, stopped by SIGINT, SIGTERM or SIGKILL of its
+    whole group one to three times at random moments, then finished: byte for byte the
+    uninterrupted build."""
+    from batchctl.synthetic import make_image_folder
+    from tests.conftest import sweep, sweep_rng
+    from tests.test_reproducible import SLOW, _interrupted_runs, build, tree
+
+    folder = tmp_path / "photos"
+    make_image_folder(folder, 60, sides=(40, 90))
+    lines = ["file_name,kind,score,caption"]
+    for i, path in enumerate(sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*.*"))):
+        lines.append(f"{path},{path.split('/')[0]},{i / 7},photo number {i}")
+    table = folder / "train.csv"
+    table.write_text("\n".join(lines) + "\n")
+    whole = tmp_path / "whole.zarr"
+    build(table, whole, *SLOW, "--workers", "2", "--label", "kind")
+    rng = sweep_rng("table builds interrupted")
+    for trial in range(sweep(2, 6)):
+        out = tmp_path / f"t{trial}.zarr"
+        happened = _interrupted_runs(table, out, rng, "--label", "kind")
+        assert tree(out) == tree(whole), f"trial {trial}: {happened}"
+
+
+def test_a_wrong_type_a_huge_cell_and_a_broken_line_are_each_one_skip(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    names = arrays(src, 8)
+    lines = ["file_name,score,note", *(f"{n},{i},ok {i}" for i, n in enumerate(names[:5]))]
+    lines += [f"{names[5]},high,ok", f"{names[6]},6,{'x' * 70_000}", f'{names[7]},7,"broken' + "y" * 140_000]
+    (src / "metadata.csv").write_text("\n".join(lines) + "\n")
+    out, report = tmp_path / "o.zarr", tmp_path / "r.json"
+    result = run_cli("build", src, "-o", out, *NPY, "--report", report)
+    assert result.returncode == 0, result.stderr
+    assert sorted(rows_of(out)) == names[:5] and batchctl.open(out).fields["note"] == ((), np.dtype("<U"))
+    errors = {e["source"]: e["error"] for e in json.loads(report.read_text())["errors"]}
+    assert errors["metadata.csv:7"] == "the column 'score' holds int values, this row 'high'"
+    assert errors["metadata.csv:8"] == "the text in 'note' is longer than 65536 bytes"
+    assert errors["metadata.csv:9"].startswith("not a CSV line (field larger than field limit")
+    assert "Traceback" not in result.stderr

@@ -18,6 +18,7 @@ import hashlib
 import io
 import json
 import posixpath
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +33,7 @@ TABLE_NAMES = ("metadata.csv", "metadata.jsonl", "metadata.parquet")
 SOURCE_SUFFIXES = (".csv", ".tsv", ".jsonl", ".parquet")  # a table given as SOURCE itself
 FILE_NAME = "file_name"
 MAX_TABLE_BYTES = 2**30  # a table is read whole (CSV and JSONL); a larger one is refused in one line
+MAX_CELL_BYTES = 2**16  # a text cell's UTF-8 bytes at most: every row of its field takes the longest's room
 
 # a column's kind -> the dtype of its field
 DTYPES = {"bool": "bool", "int": "int64", "float": "float64"}
@@ -177,7 +179,14 @@ def _rows(path: Path, table: str, path_column: str) -> Iterable[tuple[int, dict[
     header = next(reader, None)
     if not header or path_column not in header:
         raise UsageError(f"{table} has no {path_column} column (its first line names the columns)")
-    for values in reader:
+    while True:
+        try:
+            values = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as exc:  # a cell past MAX_CELL_BYTES, a stray quote
+            yield reader.line_num, f"not a CSV line ({exc})"
+            continue
         number = reader.line_num
         if not any(value.strip() for value in values):
             continue
@@ -256,16 +265,14 @@ def _list_kind(value: list[Any]) -> str:
 def _column_kinds(rows: list[_Row], label: str | None, found: Tables) -> dict[str, str]:
     """Each column's kind, from all its values (whole numbers among floats are floats); the
     columns that become no field are said once each."""
-    seen: dict[str, set[str]] = {}
+    seen: dict[str, Counter[str]] = {}
     for row in rows:
         for name, value in row.cells.items():
             if value is not None:
-                seen.setdefault(name, set()).add(_kind(value))
+                seen.setdefault(name, Counter())[_kind(value)] += 1
     kinds = {}
-    for name, found_kinds in seen.items():
-        if found_kinds == {"empty"} or found_kinds == {"list", "empty"}:
-            found_kinds = {"list"}
-        kind = "float" if found_kinds == {"int", "float"} else found_kinds.pop() if len(found_kinds) == 1 else "mixed"
+    for name, counted in seen.items():
+        kind = _column_kind(counted)
         if name == label:
             if kind not in ("text", "int"):
                 raise UsageError(f"--label {label}: the column holds {kind} values, not class names or whole numbers")
@@ -282,7 +289,8 @@ def _column_kinds(rows: list[_Row], label: str | None, found: Tables) -> dict[st
         if kind == "list":
             kinds[name] = _ragged_dtype(name, [row.cells.get(name) for row in rows])
         elif kind == "text" and name != label:
-            texts = [v for row in rows if isinstance(v := row.cells.get(name), str)]
+            texts = [v for row in rows if isinstance(v := row.cells.get(name), str) and len(v) <= MAX_CELL_BYTES]
+            texts = [v for v in texts if len(v.encode()) <= MAX_CELL_BYTES]
             found.texts[name] = metadata.source_width(texts)  # (rounded up: an edit rarely needs more)
             kinds[name] = f"text:{found.texts[name]}"
     return kinds
@@ -297,6 +305,19 @@ def _ragged_dtype(name: str, values: list[Any]) -> str:
         dtype = "bool"
     trailing = ",".join(str(n) for n in arrays[0].shape[1:]) if arrays else ""
     return f"ragged:{dtype}:{trailing}"
+
+
+def _column_kind(counted: Counter[str]) -> str:
+    """The kind of most of a column's values (whole numbers among fractions count as fractions,
+    empty lists among lists as lists); a row of another kind is that row's skip. "mixed" when no
+    kind holds more than half."""
+    counted = Counter(counted)
+    if "float" in counted:
+        counted["float"] += counted.pop("int", 0)
+    if "list" in counted or set(counted) == {"empty"}:
+        counted["list"] += counted.pop("empty", 0)
+    kind, count = counted.most_common(1)[0]
+    return kind if count * 2 > sum(counted.values()) else "mixed"
 
 
 def _take(row: _Row, kinds: Mapping[str, str], label: str | None, found: Tables) -> None:
@@ -317,6 +338,9 @@ def _take(row: _Row, kinds: Mapping[str, str], label: str | None, found: Tables)
         if kind.startswith("text:"):
             if not isinstance(value, str):
                 found.bad_rows.append((row.where, f"the column {name!r} holds text, this row {value!r}"))
+                return
+            if len(value.encode()) > MAX_CELL_BYTES:
+                found.bad_rows.append((row.where, f"the text in {name!r} is longer than {MAX_CELL_BYTES} bytes"))
                 return
             values.append((name, kind, value))
             continue
