@@ -90,6 +90,7 @@ def _write_report(report: BuildReport, path: str | os.PathLike[str] | None) -> N
 class _Builder:
     def __init__(self, source: str, output: str, options: BuildOptions, progress: Progress) -> None:
         self.source, self.output, self.options, self.progress = source, output, options, progress
+        self.root = tables.files_root(source)  # where the inputs' paths start (a table SOURCE's folder)
         resolved = resolve(options.preprocess)
         self.preprocessor = dataclasses.replace(resolved, include=tuple(options.include) or resolved.include)
         self.pp_options = self.preprocessor.options(options.preprocess_options)
@@ -158,8 +159,7 @@ class _Builder:
             )
         start = self._start(discovery, output)
         written = start.written()
-        root = tables.files_root(self.source)
-        tasks = make_tasks(self.preprocessor, self.pp_options, root, discovery.items, written, start.only)
+        tasks = make_tasks(self.preprocessor, self.pp_options, self.root, discovery.items, written, start.only)
         check_signalled()
         self.marks["planned"] = time.monotonic()
         self.tally.files = len(discovery.items) + len(discovery.unreadable)
@@ -253,7 +253,7 @@ class _Builder:
         config = PipelineConfig(
             self.preprocessor,
             self.pp_options,
-            SourceRoot(tables.files_root(self.source), self.options.storage_options),
+            SourceRoot(self.root, self.options.storage_options),
             self.options.workers,
             self.options.timeout,
             collator=CollatorConfig(
@@ -293,7 +293,7 @@ class _Builder:
 
         job = DaskJob(
             work=self.work,
-            source=SourceRoot(tables.files_root(self.source), self.options.storage_options),
+            source=SourceRoot(self.root, self.options.storage_options),
             preprocessor=self.preprocessor,
             pp_options=self.pp_options,
             batch_size=self.options.batch_size,
@@ -374,9 +374,7 @@ class _Builder:
     def _fingerprint(self, discovery: Discovery) -> str:
         """What a dataset built from these files with these options says it was built from."""
         if self.options.checksum:
-            self.digests = hash_files(
-                tables.files_root(self.source), discovery.items, self.options.storage_options, self.options.workers
-            )
+            self.digests = hash_files(self.root, discovery.items, self.options.storage_options, self.options.workers)
         return discovery.fingerprint([self.spec, discovery.classes], digests=self.digests)
 
     def _recover_publish(self) -> Output:

@@ -130,7 +130,7 @@ def plan(
     rows are appended to (a local OUTPUT: its files are copied, then grow; an object cannot).
     `damaged`: shards whose files are not what the last build wrote: neither kept nor carried
     from, their files preprocessed again."""
-    changes, unchanged = compare(record, items, digests, checksum, rows or {})
+    changes, unchanged = compare(record, items, digests, checksum, rows)
     lost = {run.source for batch in record.batches if batch.shard in damaged for run in batch.files}
     redone = sorted(lost & unchanged)
     unchanged -= lost

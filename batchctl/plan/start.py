@@ -12,6 +12,7 @@ Whether OUTPUT is already up to date is decided before (a fingerprint: `batchctl
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -53,17 +54,17 @@ class Request:
     checksum: bool = False
     digests: Mapping[str, str] = field(default_factory=dict)  # --checksum: each input's content hash
     row_hashes: Mapping[str, str] = field(default_factory=dict)  # each input's metadata table row's hash
+    keep_tail: bool = True  # a short last shard may be kept open (the local engine on a local OUTPUT)
+    carry_from: str = ""  # where an incremental build reads the rows it carries over
+    work_url: str = ""  # the work folder, for messages
+    record_url: str = ""  # the published record, for messages
 
-    @property
+    @functools.cached_property
     def tables(self) -> str:
         """One hash of every input's metadata row ("": no tables): a resume needs the same."""
         if not self.row_hashes:
             return ""
         return hashlib.sha256("".join(f"{k}\0{v}\n" for k, v in sorted(self.row_hashes.items())).encode()).hexdigest()
-    keep_tail: bool = True  # a short last shard may be kept open (the local engine on a local OUTPUT)
-    carry_from: str = ""  # where an incremental build reads the rows it carries over
-    work_url: str = ""  # the work folder, for messages
-    record_url: str = ""  # the published record, for messages
 
 
 @dataclass(frozen=True)
@@ -177,12 +178,15 @@ def _plan_resume(request: Request, interrupted: Interrupted | None, notes: list[
 def _resume_interrupted(request: Request, interrupted: Interrupted, notes: list[str]) -> Start | None:
     state = interrupted.state
     if state.spec != request.spec or state.source != request.source:
+        was, now = {**state.spec, "source": state.source}, {**request.spec, "source": request.source}
+        diffs = "; ".join(differences(was, now))
         if not _kept_work(interrupted):  # nothing to lose (every file skipped, say, and the plugin fixed)
-            was, now = {**state.spec, "source": state.source}, {**request.spec, "source": request.source}
-            diffs = "; ".join(differences(was, now))
             notes.append(f"the interrupted build kept no samples and used other options ({diffs}); starting over")
             return None
-        raise ResumeMismatchError(mismatch_text(state, request.spec, request.source))
+        raise ResumeMismatchError(
+            f"an interrupted build of this output used other options ({diffs}): rerun with the same options "
+            "to resume, or pass --no-resume to start over"
+        )
     seeded = state.incremental
     if seeded is not None and seeded.carry_from != request.carry_from:
         raise Untrusted(f"state.json: carry_from is {seeded.carry_from!r}, not {request.carry_from!r}")
@@ -412,12 +416,3 @@ def _preprocess_differences(was: Mapping[str, Any], now: Mapping[str, Any]) -> l
         versions = f"{was.get('code')} -> {now.get('code')}"  # a built-in's
         found.append(f"the preprocessor's code changed: {plugin or versions}")
     return found
-
-
-def mismatch_text(state: State, spec: Mapping[str, Any], source: str) -> str:
-    diffs = differences({**state.spec, "source": state.source}, {**spec, "source": source})
-    return (
-        "an interrupted build of this output used other options ("
-        + "; ".join(diffs)
-        + "): rerun with the same options to resume, or pass --no-resume to start over"
-    )

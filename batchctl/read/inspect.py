@@ -137,12 +137,12 @@ def _notes_problems(ds: Dataset, files: zarrmeta.DatasetFiles, shards: Mapping[s
     digest and hold each shard file's hash as read; the record must be the one it vouches for
     (`record_sha256`), of batchctl's form, describing this dataset."""
     try:
-        files.read(metadata.BUILD_INFO)
+        raw = files.read(metadata.BUILD_INFO)
     except FileNotFoundError:
         return [Problem(metadata.BUILD_INFO, "is missing (the next build builds everything)")]
     except OSError as exc:
         return [Problem(metadata.BUILD_INFO, f"cannot be read ({exc.strerror or exc})")]
-    info = metadata.read_build_info(ds.path, ds.storage_options)
+    info = metadata.parse_build_info(raw)
     if info is None:
         return [Problem(metadata.BUILD_INFO, "is not of batchctl's form")]
     if info.digest != ds.attrs.digest:

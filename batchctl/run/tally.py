@@ -14,6 +14,7 @@ from batchctl.errors import BuildFailed
 from batchctl.progress import Progress
 from batchctl.records import Rejected, TaskResult
 from batchctl.report import BuildReport, FileError
+from batchctl.store import storage
 
 MOSTLY_SKIPPED = 0.5  # of the build's files: more skipped fails a build given no --max-errors
 
@@ -31,7 +32,7 @@ class Tally:
         self.new_samples += result.samples
         if result.error is not None:  # (a URL's failed fetch is tried again by the next run, as a lost worker's file)
             relpath = result.task.item.relpath
-            self.error(relpath, result.error, retry=result.transient or "://" in relpath)
+            self.error(relpath, result.error, retry=result.transient or storage.is_url(relpath))
 
     def rejected(self, event: Rejected) -> None:
         """The collator refused a file's samples (they do not fit the dataset's schema)."""

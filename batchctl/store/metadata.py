@@ -253,9 +253,18 @@ def read_build_info(location: str, storage_options: Mapping[str, Any] | None = N
     """The build info in the dataset at `location`, or None when there is none (or it is not
     of batchctl's form: nothing is trusted from it then)."""
     try:
-        raw = parse_json(DatasetFiles(location, storage_options or {}).read(BUILD_INFO))
+        raw = DatasetFiles(location, storage_options or {}).read(BUILD_INFO)
+    except Exception:  # noqa: BLE001 - missing, unreadable
+        return None
+    return parse_build_info(raw)
+
+
+def parse_build_info(data: bytes) -> BuildInfo | None:
+    """A build info's bytes as one, or None when they are not of its form."""
+    try:
+        raw = parse_json(data)
         info = BuildInfo(**{name: raw[name] for name in BuildInfo.__dataclass_fields__ if name in raw})
-    except Exception:  # noqa: BLE001 - missing, unreadable, not JSON, not ours
+    except Exception:  # noqa: BLE001 - not JSON, not ours
         return None
     texts = [value for name, value in asdict(info).items() if name != "shards"]
     hashes = info.shards if isinstance(info.shards, dict) else None
