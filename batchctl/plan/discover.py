@@ -193,7 +193,7 @@ def _discover_table(
     stats: dict[str, os.stat_result] = {}
 
     def present(relpath: str) -> bool:
-        if "://" in relpath:  # a URL: fetched by the worker (a failed fetch is that row's skip)
+        if storage.is_url(relpath):  # fetched by the worker (a failed fetch is that row's skip)
             return True
         try:
             stat = os.stat(table.parent / relpath)
@@ -211,18 +211,7 @@ def _discover_table(
             found.append((relpath, stat.st_size if stat else 0, stat.st_mtime_ns if stat else 0))
         else:
             ignored.append(relpath)
-    if label is None:
-        items = [WorkItem(rel, -1, size, mtime_ns) for rel, size, mtime_ns in found]
-    else:
-        items = [WorkItem(rel, read.label_of(rel), size, mtime_ns) for rel, size, mtime_ns in found]
-    for item in items:
-        item.values = read.values[item.relpath]
-    discovery = Discovery(
-        _shuffled(items, seed), read.classes, len(ignored), read.bad_rows, ignored[:IGNORED_LISTED], read.row_hashes
-    )
-    discovery.notes = [*read.left_out, f"{len(items)} files named by {table.name}"]
-    discovery.texts = read.texts
-    return discovery
+    return _named_by(read, found, ignored, list(read.bad_rows), seed, label, False, table.name)
 
 
 def _tabled(
@@ -242,15 +231,32 @@ def _tabled(
     named = [entry for entry in found if entry[0] in read.values]
     ignored.extend(rel for rel, _, _ in found if rel not in read.values)
     unreadable.extend(read.bad_rows)
-    if label is None:
-        discovery = _labelled(named, ignored, unreadable, seed)
+    return _named_by(read, named, ignored, unreadable, seed, label, True, f"{len(table_paths)} metadata table(s)")
+
+
+def _named_by(
+    read: tables.Tables,
+    found: list[tuple[str, int, int]],
+    ignored: list[str],
+    unreadable: list[tuple[str, str]],
+    seed: int | None,
+    label: str | None,
+    folders: bool,
+    tables_named: str,
+) -> Discovery:
+    """The discovery of the files `found` that tables name, with their rows' values: labelled by
+    `label`'s column, else (`folders`) by the class folders, else not at all."""
+    if label is None and folders:
+        discovery = _labelled(found, ignored, unreadable, seed)
     else:
-        items = [WorkItem(rel, read.label_of(rel), size, mtime_ns) for rel, size, mtime_ns in named]
+        items = [
+            WorkItem(rel, -1 if label is None else read.label_of(rel), size, mtime_ns) for rel, size, mtime_ns in found
+        ]
         discovery = Discovery(_shuffled(items, seed), read.classes, len(ignored), unreadable, ignored[:IGNORED_LISTED])
     for item in discovery.items:
         item.values = read.values[item.relpath]
     discovery.row_hashes, discovery.texts = read.row_hashes, read.texts
-    discovery.notes = [*read.left_out, f"{len(named)} files named by {len(table_paths)} metadata table(s)"]
+    discovery.notes = [*read.left_out, f"{len(found)} files named by {tables_named}"]
     return discovery
 
 

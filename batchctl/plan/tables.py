@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from batchctl.errors import UsageError
+from batchctl.records import parse_ragged_dtype, ragged_dtype
 from batchctl.store import metadata, storage
 
 TABLE_NAMES = ("metadata.csv", "metadata.jsonl", "metadata.parquet")
@@ -287,24 +288,23 @@ def _column_kinds(rows: list[_Row], label: str | None, found: Tables) -> dict[st
         raise UsageError(f"--label {label}: no metadata table has that column")
     for name, kind in kinds.items():
         if kind == "list":
-            kinds[name] = _ragged_dtype(name, [row.cells.get(name) for row in rows])
+            kinds[name] = _ragged_dtype([row.cells.get(name) for row in rows])
         elif kind == "text" and name != label:
-            texts = [v for row in rows if isinstance(v := row.cells.get(name), str) and len(v) <= MAX_CELL_BYTES]
-            texts = [v for v in texts if len(v.encode()) <= MAX_CELL_BYTES]
+            texts = [v for row in rows if isinstance(v := row.cells.get(name), str)]
+            texts = [v for v in texts if len(v.encode()) <= MAX_CELL_BYTES]  # (a longer one is its row's skip)
             found.texts[name] = metadata.source_width(texts)  # (rounded up: an edit rarely needs more)
             kinds[name] = f"text:{found.texts[name]}"
     return kinds
 
 
-def _ragged_dtype(name: str, values: list[Any]) -> str:
+def _ragged_dtype(values: list[Any]) -> str:
     """A list column's field: `ragged:DTYPE:TRAILING` (its rows' dtype, and the dimensions after
     the first, the same in every row: a row whose are not is skipped)."""
     arrays = [np.asarray(v) for v in values if isinstance(v, list) and v and _list_kind(v) == "list"]
     dtype = "float64" if any(a.dtype.kind == "f" for a in arrays) else "int64"
     if arrays and all(a.dtype.kind == "b" for a in arrays):
         dtype = "bool"
-    trailing = ",".join(str(n) for n in arrays[0].shape[1:]) if arrays else ""
-    return f"ragged:{dtype}:{trailing}"
+    return ragged_dtype(dtype, arrays[0].shape[1:] if arrays else ())
 
 
 def _column_kind(counted: Counter[str]) -> str:
@@ -364,11 +364,12 @@ def _take(row: _Row, kinds: Mapping[str, str], label: str | None, found: Tables)
 
 def _ragged_problem(name: str, kind: str, value: Any) -> str:
     """Why a list column's cell is not one of its rows ("" when it is)."""
-    trailing = tuple(int(n) for n in kind.rsplit(":", 1)[1].split(",") if n)
+    trailing = parse_ragged_dtype(kind)[1]
     if not isinstance(value, list) or _kind(value) not in ("list", "empty"):
         return f"the column {name!r} holds lists of numbers, this row {str(value)[:60]!r}"
-    if value and np.asarray(value).shape[1:] != trailing:
-        return f"the column {name!r} holds rows of {trailing or 'numbers'}, this row {np.asarray(value).shape[1:]}"
+    found = np.asarray(value).shape[1:] if value else trailing
+    if found != trailing:
+        return f"the column {name!r} holds rows of {trailing or 'numbers'}, this row {found}"
     return ""
 
 

@@ -13,7 +13,7 @@ import numpy as np
 from batchctl.errors import PreprocessorError
 from batchctl.preprocess import Preprocessor, Sample
 from batchctl.preprocess.base import ragged_rows
-from batchctl.records import SentTask, Task, TaskOutput, TaskResult, describe_error, sent_start
+from batchctl.records import SentTask, Task, TaskOutput, TaskResult, describe_error, parse_ragged_dtype, sent_start
 from batchctl.store import format as fmt, metadata
 from batchctl.store.storage import SourceRoot
 
@@ -65,8 +65,8 @@ def _table_column(rows: int, dtype: str, value: Any) -> np.ndarray:
         return np.repeat(fmt.encode_sources([value], int(dtype[5:])), rows, axis=0)
     if not dtype.startswith("ragged:"):
         return np.full(rows, value, dtype=dtype)
-    _, kind, trailing = dtype.split(":")
-    row = np.asarray(value, dtype=kind).reshape(-1, *(int(n) for n in trailing.split(",") if n))
+    kind, trailing = parse_ragged_dtype(dtype)
+    row = np.asarray(value, dtype=kind).reshape(-1, *trailing)
     column = np.empty(rows, dtype=object)
     for i in range(rows):  # (assigned one by one: numpy would make a list of equal arrays one array)
         column[i] = row
