@@ -99,8 +99,16 @@ class RemoteStore:
                 else:
                     theirs.append((i, pending))
         try:
-            fetched = self._fetch_retrying([ranges[i] for i, _ in mine]) if mine else []
-            for (i, pending), data in zip(mine, fetched, strict=True):
+            if self.cache is not None and cached:
+                # cached by a thread whose fetch ended between this one's look and its claim
+                for i, pending in mine:
+                    if (data := self.cache.get(ranges[i].key)) is not None:
+                        found[i] = data
+                        missing.remove(i)
+                        pending.set_result(data)
+            fetch = [(i, pending) for i, pending in mine if not pending.done()]
+            fetched = self._fetch_retrying([ranges[i] for i, _ in fetch]) if fetch else []
+            for (i, pending), data in zip(fetch, fetched, strict=True):
                 found[i] = data
                 if self.cache is not None:
                     self.cache.put(ranges[i].key, data)
