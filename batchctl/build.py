@@ -8,9 +8,12 @@ counted by one `Tally`, and the dataset is published by `batchctl.publish`.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Unpack
@@ -32,6 +35,7 @@ from batchctl.run.lock import BuildLock, LockUnavailable
 from batchctl.run.mpinternals import semaphores_named_after
 from batchctl.run.pipeline import Pipeline, PipelineConfig
 from batchctl.run.processes import (
+    TEMP_PREFIX,
     leave_if_reimporting_main,
     refuse_main_children_cannot_run,
     signals_raise,
@@ -168,10 +172,11 @@ class _Builder:
         self.report.carried_samples = sum(run.rows for run in start.carry)
         split = any(task.part for task in tasks)
         self.progress.start(len(tasks), len(start.kept.batches), split, self.report.carried_samples)
+        source = self._source_root(discovery, tasks)
         if self.options.engine == "dask":
-            outcome = self._run_dask(discovery, start, tasks)
+            outcome = self._run_dask(discovery, start, tasks, source)
         else:
-            outcome = self._run_local(discovery, start, tasks)
+            outcome = self._run_local(discovery, start, tasks, source)
         self.progress.close()
         if outcome.finished.samples == 0:
             raise BuildFailed(f"no samples were produced: all {len(discovery.items)} files were skipped", self.report)
@@ -243,7 +248,23 @@ class _Builder:
             return None
         return Carry(seeded.carry_from, dict(self.options.storage_options), start.carry_shard_rows, list(start.carry))
 
-    def _run_local(self, discovery: Discovery, start: Start, tasks: list[Task]) -> Outcome:
+    def _source_root(self, discovery: Discovery, tasks: list[Task]) -> SourceRoot:
+        """The inputs as the workers see them: the files a Parquet SOURCE holds for these tasks
+        written out first, into the work folder (removed with it once published; on this machine
+        for a URL OUTPUT, removed when the build ends)."""
+        if discovery.content is None:
+            return SourceRoot(self.root, self.options.storage_options)
+        table, column = discovery.content
+        if self.paths.remote:
+            folder = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{os.getpid()}-rows-"))  # (swept if we are killed)
+            atexit.register(shutil.rmtree, folder, True)
+        else:
+            folder = self.paths.workdir / "rows"
+        lines = {line for task in tasks if (line := tables.content_line(task.item.relpath, table)) is not None}
+        tables.write_contents(Path(self.root) / table, column, lines, folder)
+        return SourceRoot(self.root, self.options.storage_options, str(folder), table)
+
+    def _run_local(self, discovery: Discovery, start: Start, tasks: list[Task], source: SourceRoot) -> Outcome:
         cores = default_workers()
         if self.options.workers > cores:  # as PyTorch's DataLoader warns: said once, the number kept
             self.progress.info(
@@ -253,7 +274,7 @@ class _Builder:
         config = PipelineConfig(
             self.preprocessor,
             self.pp_options,
-            SourceRoot(self.root, self.options.storage_options),
+            source,
             self.options.workers,
             self.options.timeout,
             collator=CollatorConfig(
@@ -288,12 +309,12 @@ class _Builder:
         for name, seconds in timings.items():
             timings[name] = round(seconds, 3)
 
-    def _run_dask(self, discovery: Discovery, start: Start, tasks: list[Task]) -> Outcome:
+    def _run_dask(self, discovery: Discovery, start: Start, tasks: list[Task], source: SourceRoot) -> Outcome:
         from batchctl.run.dask_engine import DaskJob, DaskRun
 
         job = DaskJob(
             work=self.work,
-            source=SourceRoot(self.root, self.options.storage_options),
+            source=source,
             preprocessor=self.preprocessor,
             pp_options=self.pp_options,
             batch_size=self.options.batch_size,

@@ -305,24 +305,30 @@ def test_a_table_of_urls_is_fetched_by_the_workers_and_a_failed_fetch_is_one_ski
     assert data["processed"] == 2 and f"{base}/gone.npy" in rows_of(out)  # the two failed fetches, tried again
 
 
-def test_a_table_build_killed_at_random_moments_ends_with_the_same_bytes(tmp_path: Path) -> None:
-    """A table SOURCE with labels, numbers and text, stopped by SIGINT, SIGTERM or SIGKILL of its
-    whole group one to three times at random moments, then finished: byte for byte the
-    uninterrupted build."""
+@pytest.mark.parametrize("form", ["csv", "parquet"], ids=["a CSV of paths", "a Parquet of the pictures"])
+def test_a_table_build_killed_at_random_moments_ends_with_the_same_bytes(tmp_path: Path, form: str) -> None:
+    """A table SOURCE with labels, numbers and text (or a Parquet holding the pictures), stopped
+    by SIGINT, SIGTERM or SIGKILL of its whole group one to three times at random moments, then
+    finished: byte for byte the uninterrupted build."""
     from batchctl.synthetic import make_image_folder
     from tests.conftest import sweep, sweep_rng
     from tests.test_reproducible import SLOW, _interrupted_runs, build, tree
 
     folder = tmp_path / "photos"
     make_image_folder(folder, 60, sides=(40, 90))
-    lines = ["file_name,kind,score,caption"]
-    for i, path in enumerate(sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*.*"))):
-        lines.append(f"{path},{path.split('/')[0]},{i / 7},photo number {i}")
-    table = folder / "train.csv"
-    table.write_text("\n".join(lines) + "\n")
+    if form == "parquet":
+        pytest.importorskip("pyarrow")
+        table = tmp_path / "train.parquet"
+        _photo_table(folder, table, hf=True)
+    else:
+        lines = ["file_name,kind,score,caption"]
+        for i, path in enumerate(sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*.*"))):
+            lines.append(f"{path},{path.split('/')[0]},{i / 7},photo number {i}")
+        table = folder / "train.csv"
+        table.write_text("\n".join(lines) + "\n")
     whole = tmp_path / "whole.zarr"
     build(table, whole, *SLOW, "--workers", "2", "--label", "kind")
-    rng = sweep_rng("table builds interrupted")
+    rng = sweep_rng(f"table builds interrupted ({form})")
     for trial in range(sweep(2, 6)):
         out = tmp_path / f"t{trial}.zarr"
         happened = _interrupted_runs(table, out, rng, "--label", "kind")
@@ -344,3 +350,120 @@ def test_a_wrong_type_a_huge_cell_and_a_broken_line_are_each_one_skip(tmp_path: 
     assert errors["metadata.csv:8"] == "the text in 'note' is longer than 65536 bytes"
     assert errors["metadata.csv:9"].startswith("not a CSV line (field larger than field limit")
     assert "Traceback" not in result.stderr
+
+
+def _photo_table(folder: Path, table: Path, hf: bool, changed: int | None = None) -> list[str]:
+    """The photos of `folder` as a Parquet table of their bytes, 16 rows a row group: Hugging
+    Face's `image: {bytes, path}` structs (`hf`) or a plain `image` column of bytes; with a
+    `kind`, a `caption`, and a second column of bytes (a mask) the build leaves out. Row
+    `changed` (0-based) holds another photo's bytes. The photos' paths, in row order."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    paths = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*.*"))
+    data = [(folder / p).read_bytes() for p in paths]
+    if changed is not None:
+        data[changed] = data[changed + 1]
+    images = [{"bytes": d, "path": p.rsplit("/", 1)[-1]} for d, p in zip(data, paths, strict=True)] if hf else data
+    columns = {
+        "image": images,
+        "kind": [p.split("/")[0] for p in paths],
+        "caption": [f"photo {i}" for i in range(len(paths))],
+        "mask": [b"\x01" * 4] * len(paths),
+    }
+    pq.write_table(pa.table(columns), table, row_group_size=16)
+    return paths
+
+
+@pytest.mark.parametrize("hf", [True, False], ids=["bytes-and-path structs", "a bytes column"])
+def test_a_parquet_of_image_bytes_builds_the_images_a_folder_build_gives(tmp_path: Path, hf: bool) -> None:
+    """The Hugging Face hub's form: each row holds its picture. Every row's image, label and
+    caption is the folder build's; `source` is TABLE:LINE; corrupt bytes are one skip naming
+    the row; the other column of bytes is left out, and said so."""
+    pytest.importorskip("pyarrow")
+    from batchctl.synthetic import make_image_folder
+
+    folder = tmp_path / "photos"
+    make_image_folder(folder, 40, sides=(40, 90))
+    folder_out = tmp_path / "folder.zarr"
+    assert run_cli("build", folder, "-o", folder_out, "--batch-size", "8", "--workers", "2").returncode == 0
+    by_path = {}
+    for batch in batchctl.open(folder_out):
+        for i, source in enumerate(batch["source"]):
+            by_path[str(source)] = (batch["image"][i], int(batch["label"][i]))
+    table = tmp_path / "hub" / "train.parquet"
+    table.parent.mkdir()
+    paths = _photo_table(folder, table, hf)
+    (folder / paths[3]).write_bytes(b"not a picture")
+    paths_again = _photo_table(folder, table, hf)  # (row 4 now holds broken bytes)
+    assert paths_again == paths
+    report = tmp_path / "r.json"
+    result = run_cli("build", table, "--label", "kind", "--batch-size", "8", "--workers", "2", "--report", report)
+    assert result.returncode == 0, result.stderr
+    assert "the metadata column 'mask' is left out: it holds bytes, and 'image' the files" in result.stderr
+    ds = batchctl.open(table.with_suffix(".zarr"))
+    assert ds.classes == ["cat", "dog", "fish"]
+    seen = set()
+    for batch in ds:
+        for i, source in enumerate(batch["source"]):
+            line = int(str(source).removeprefix("train.parquet:"))
+            image, label = by_path[paths[line - 1]]
+            np.testing.assert_array_equal(batch["image"][i], image)
+            assert int(batch["label"][i]) == label and batch["caption"][i] == f"photo {line - 1}"
+            seen.add(line)
+    assert seen == set(range(1, 41)) - {4}
+    errors = [(e["source"], e["error"]) for e in json.loads(report.read_text())["errors"]]
+    assert errors == [("train.parquet:4", "UnidentifiedImageError: cannot identify image file")]
+    assert run_cli("verify", table.with_suffix(".zarr")).returncode == 0
+    assert not (table.parent / ".train.zarr.batchctl").exists()  # the rows' files went with the work folder
+
+
+def test_an_edited_picture_in_a_parquet_rebuilds_that_row_alone(tmp_path: Path) -> None:
+    pytest.importorskip("pyarrow")
+    from batchctl.synthetic import make_image_folder
+
+    folder = tmp_path / "photos"
+    make_image_folder(folder, 24, sides=(40, 90))
+    table = tmp_path / "train.parquet"
+    paths = _photo_table(folder, table, hf=True)
+    report = tmp_path / "r.json"
+    args = ["build", table, "--label", "kind", "--batch-size", "8", "--workers", "2", "--report", report]
+    assert run_cli(*args).returncode == 0
+    assert "up to date" in run_cli(*args).stderr
+    _photo_table(folder, table, hf=True, changed=6)
+    assert run_cli(*args).returncode == 0
+    data = json.loads(report.read_text())
+    assert data["processed"] == 1 and data["changed"]["paths"] == ["train.parquet:7"]
+    rows = {}
+    for batch in batchctl.open(tmp_path / "train.zarr"):
+        rows.update({str(s): batch["image"][i] for i, s in enumerate(batch["source"])})
+    np.testing.assert_array_equal(rows["train.parquet:7"], rows["train.parquet:8"])
+    assert len(rows) == len(paths)
+
+
+def test_a_struct_without_bytes_names_its_file_and_a_table_without_files_is_one_usage_error(tmp_path: Path) -> None:
+    """`{bytes: None, path}` (how Hugging Face keeps a picture it did not embed) names a file
+    beside the table; a file the preprocessor does not take is ignored; a Parquet SOURCE with
+    neither file names nor bytes is refused in one line."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    src = tmp_path / "src"
+    names = arrays(src, 3)
+    embedded = [(src / name).read_bytes() for name in names]
+    cells = [
+        {"bytes": embedded[0], "path": "first.npy"},
+        {"bytes": None, "path": names[1]},
+        {"bytes": embedded[2], "path": "notes.txt"},
+        {"bytes": embedded[2], "path": None},
+    ]
+    pq.write_table(pa.table({"array_file": cells, "w": [1, 2, 3, 4]}), src / "t.parquet")
+    result = run_cli("build", src / "t.parquet", *NPY)
+    assert result.returncode == 0, result.stderr
+    rows = rows_of(src / "t.zarr")
+    assert {name: row["w"] for name, row in rows.items()} == {"t.parquet:1": 1, names[1]: 2, "t.parquet:4": 4}
+    assert rows["t.parquet:1"]["array"] == [0.0] * 3 and rows["t.parquet:4"]["array"] == [2.0] * 3
+    pq.write_table(pa.table({"w": [1, 2]}), src / "bare.parquet")
+    refused = run_cli("build", src / "bare.parquet", *NPY)
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1
+    assert "bare.parquet has no file_name column (nor a column of the files' bytes)" in refused.stderr

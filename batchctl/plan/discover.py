@@ -31,6 +31,7 @@ class Discovery:
     row_hashes: dict[str, str] = field(default_factory=dict)  # relpath -> its metadata row's hash
     texts: dict[str, int] = field(default_factory=dict)  # the tables' text fields and their widths
     notes: list[str] = field(default_factory=list)  # what the user is told of the metadata tables
+    content: tuple[str, str] | None = None  # (table, column): a Parquet SOURCE holding the rows' files
 
     def fingerprint(
         self, options: object, leave_out: Collection[str] = (), digests: Mapping[str, str] | None = None
@@ -207,11 +208,17 @@ def _discover_table(
     found, ignored = [], []
     for relpath in read.values:
         stat = stats.get(relpath)  # (none for a URL: its stamp is its row's, (0, 0) here)
-        if accepts(relpath):
+        content = read.contents.get(relpath)  # (a file the table holds: its stamp is its row's hash)
+        if content is not None and (content.name is None or accepts(content.name)):
+            found.append((relpath, content.size, 0))
+        elif content is None and accepts(relpath):
             found.append((relpath, stat.st_size if stat else 0, stat.st_mtime_ns if stat else 0))
         else:
             ignored.append(relpath)
-    return _named_by(read, found, ignored, list(read.bad_rows), seed, label, False, table.name)
+    discovery = _named_by(read, found, ignored, list(read.bad_rows), seed, label, False, table.name)
+    if read.content_column is not None:
+        discovery.content = (table.name, read.content_column)
+    return discovery
 
 
 def _tabled(

@@ -9,17 +9,23 @@ makes a column of names (or whole numbers) the class label, and other text is a 
 rows, as `source` is stored). Columns of other values (lists of text, mixed kinds) are left out,
 and said so. A row that cannot be used (no file name, a file not there, a file named twice, a
 value missing or of another type than its column's) is one skip naming the table and its line.
+
+A Parquet table SOURCE may hold the files themselves (the Hugging Face hub's form): a column of
+bytes, or of `{bytes, path}` structs, is each row's file. Its bytes are hashed here and never kept
+(a row's hash covers them: an edited picture is a changed row), and written out again, row group
+by row group, for the rows a build preprocesses (`write_contents`): the workers read files.
 """
 
 from __future__ import annotations
 
+import bisect
 import csv
 import hashlib
 import io
 import json
 import posixpath
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,8 +42,21 @@ FILE_NAME = "file_name"
 MAX_TABLE_BYTES = 2**30  # a table is read whole (CSV and JSONL); a larger one is refused in one line
 MAX_CELL_BYTES = 2**16  # a text cell's UTF-8 bytes at most: every row of its field takes the longest's room
 
+ROWS_PER_READ = 4096  # rows of a Parquet table converted at a time
+CONTENT_ROWS_PER_READ = 64  # ... of one whose rows hold their files: a bounded few MiB of bytes
+
 # a column's kind -> the dtype of its field
 DTYPES = {"bool": "bool", "int": "int64", "float": "float64"}
+
+
+@dataclass(frozen=True)
+class Content:
+    """A row's file held in the table itself: its size and SHA-256 (its bytes are read again when
+    the row is built), and the name it had, if any (whose extension the preprocessor takes)."""
+
+    size: int
+    sha256: str
+    name: str | None
 
 
 @dataclass
@@ -53,6 +72,8 @@ class Tables:
     left_out: list[str] = field(default_factory=list)  # "the metadata column 'tags' is left out: ..."
     bad_rows: list[tuple[str, str]] = field(default_factory=list)  # ("TABLE:LINE", why)
     classes: list[str] | None = None  # --label's names, in label order
+    contents: dict[str, Content] = field(default_factory=dict)  # "TABLE:LINE" -> the file the row holds
+    content_column: str | None = None  # the Parquet column holding the rows' files
     _ids: dict[str, int] = field(default_factory=dict)  # a name's label (made from `classes` once)
 
     def label_of(self, relpath: str) -> int:
@@ -75,6 +96,13 @@ class _Row:
     @property
     def where(self) -> str:
         return f"{self.table}:{self.line}"
+
+
+def content_line(relpath: str, table: str) -> int | None:
+    """The line (row number, from 1) of a row of `table` whose file it holds ("TABLE:LINE"),
+    None for an input that is a file (a row may name one instead)."""
+    line = relpath.removeprefix(f"{table}:")
+    return int(line) if line != relpath and line.isdigit() else None
 
 
 def is_table(relpath: str) -> bool:
@@ -105,11 +133,16 @@ def read_tables(
     found = Tables()
     for table in sorted(tables):
         folder = table.rsplit("/", 1)[0] + "/" if "/" in table else ""
-        for line, cells in _rows(root / table, table, path_column):
+        for line, cells in _rows(root / table, table, path_column, found, urls):
             if isinstance(cells, str):
                 found.bad_rows.append((f"{table}:{line}", cells))
                 continue
-            relpath, why = _relpath(folder, cells.pop(path_column, None), urls)
+            name = cells.pop(path_column, None)
+            if isinstance(name, Content):
+                rows.append(_Row(table, line, f"{table}:{line}", _leaves(cells)))
+                found.contents[rows[-1].relpath] = name
+                continue
+            relpath, why = _relpath(folder, name, urls)
             if why:
                 found.bad_rows.append((f"{table}:{line}", why))
                 continue
@@ -150,14 +183,16 @@ def _relpath(folder: str, name: Any, urls: bool) -> tuple[str, str]:
     return relpath, ""
 
 
-def _rows(path: Path, table: str, path_column: str) -> Iterable[tuple[int, dict[str, Any] | str]]:
+def _rows(
+    path: Path, table: str, path_column: str, found: Tables, urls: bool
+) -> Iterable[tuple[int, dict[str, Any] | str]]:
     """(line, cells) of a table, or (line, why it cannot be read) for a malformed line."""
     try:
+        if table.endswith(".parquet"):  # (read a row group at a time: any size)
+            yield from _parquet_rows(path, table, path_column, found, urls)
+            return
         if path.stat().st_size > MAX_TABLE_BYTES:
             raise UsageError(f"{table} is larger than {MAX_TABLE_BYTES >> 20} MiB; split it")
-        if table.endswith(".parquet"):
-            yield from _parquet_rows(path, table)
-            return
         raw = path.read_bytes()
     except OSError as exc:
         raise UsageError(f"{table} cannot be read: {exc.strerror or exc}") from None
@@ -197,16 +232,88 @@ def _rows(path: Path, table: str, path_column: str) -> Iterable[tuple[int, dict[
         yield number, {name: _cell(value) for name, value in zip(header, values, strict=True)}
 
 
-def _parquet_rows(path: Path, table: str) -> Iterable[tuple[int, dict[str, Any] | str]]:
+def _parquet_file(path: Path, table: str) -> Any:
     try:
         import pyarrow.parquet as pq
     except ImportError:
         raise UsageError(f"{table}: reading Parquet needs pyarrow: pip install 'batchctl[tables]'") from None
+    try:
+        return pq.ParquetFile(path)
+    except Exception as exc:  # noqa: BLE001 - pyarrow's own errors (ArrowInvalid...) and OSError
+        raise UsageError(f"{table} cannot be read as Parquet: {exc}") from None
+
+
+def _parquet_rows(
+    path: Path, table: str, path_column: str, found: Tables, urls: bool
+) -> Iterable[tuple[int, dict[str, Any] | str]]:
+    """A Parquet table's rows, a few thousand at a time (never the whole table). In a table
+    SOURCE (`urls`), a column of files (`_content_column`) gives each row's `path_column` cell
+    as its `Content` (or, a `{bytes, path}` struct without bytes, its path); other columns of
+    bytes are left out, and said so."""
+    parquet = _parquet_file(path, table)
+    schema = parquet.schema_arrow
+    content = _content_column(schema, path_column) if urls else None
+    if content is None and path_column not in schema.names:
+        raise UsageError(f"{table} has no {path_column} column (nor a column of the files' bytes)")
+    files = [f.name for f in schema if _holds_files(f.type) and f.name != content]
+    for name in files:
+        found.left_out.append(f"the metadata column {name!r} is left out: it holds bytes, and {content!r} the files")
+    columns = [name for name in schema.names if name not in files]
+    per_read = ROWS_PER_READ if content is None else CONTENT_ROWS_PER_READ
     number = 0
-    for group in pq.ParquetFile(path).iter_batches():  # a row group at a time, never the whole table
+    for group in parquet.iter_batches(batch_size=per_read, columns=columns):
         for cells in group.to_pylist():
             number += 1
+            if content is not None:
+                cells[path_column] = _content(cells.pop(content))
             yield number, cells
+    found.content_column = content
+
+
+def _holds_files(kind: Any) -> bool:
+    """A column of bytes, or of `{bytes, path}` structs (how Hugging Face stores an Image or Audio)."""
+    import pyarrow as pa
+
+    if pa.types.is_struct(kind) and kind.get_field_index("bytes") >= 0:
+        kind = kind.field(kind.get_field_index("bytes")).type
+    return bool(pa.types.is_binary(kind) or pa.types.is_large_binary(kind))
+
+
+def _content_column(schema: Any, path_column: str) -> str | None:
+    """The column whose cells are the rows' files: `path_column` when it holds bytes; else, when
+    the table has no `path_column`, its first column of bytes."""
+    if path_column in schema.names:
+        return path_column if _holds_files(schema.field(path_column).type) else None
+    return next((f.name for f in schema if _holds_files(f.type)), None)
+
+
+def _content(cell: Any) -> Content | str | None:
+    """A cell of the files' column as the row's `Content`; a struct without bytes by its path."""
+    data, name = (cell.get("bytes"), cell.get("path")) if isinstance(cell, dict) else (cell, None)
+    if data is None:
+        return name if isinstance(name, str) else None
+    return Content(len(data), hashlib.sha256(data).hexdigest(), name if isinstance(name, str) and name else None)
+
+
+def write_contents(table: Path, column: str, lines: Collection[int], folder: Path) -> None:
+    """The files a Parquet table holds for these rows, written to `folder` named by line
+    (preprocessors and plugins take paths); only the row groups that hold one are read."""
+    parquet = _parquet_file(table, table.name)
+    wanted, wanted_set = sorted(lines), set(lines)
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    first = 1  # the line of the row group's first row
+    for group in range(parquet.metadata.num_row_groups):
+        rows = parquet.metadata.row_group(group).num_rows
+        at = bisect.bisect_left(wanted, first)
+        if at < len(wanted) and wanted[at] < first + rows:
+            line = first
+            for batch in parquet.iter_batches(batch_size=CONTENT_ROWS_PER_READ, row_groups=[group], columns=[column]):
+                for cell in batch.column(0).to_pylist():
+                    content = cell.get("bytes") if isinstance(cell, dict) else cell
+                    if content is not None and line in wanted_set:
+                        (folder / str(line)).write_bytes(content)
+                    line += 1
+        first += rows
 
 
 def _cell(value: str) -> Any:
@@ -231,7 +338,7 @@ def _named_once(rows: list[_Row], present: Callable[[str], bool], found: Tables)
     for row in rows:
         if row.relpath in first:
             found.bad_rows.append((row.where, f"names {row.relpath} again (first on {first[row.relpath].where})"))
-        elif not present(row.relpath):
+        elif row.relpath not in found.contents and not present(row.relpath):
             found.bad_rows.append((row.where, f"names {row.relpath}, which is not there"))
         else:
             first[row.relpath] = row
@@ -359,7 +466,9 @@ def _take(row: _Row, kinds: Mapping[str, str], label: str | None, found: Tables)
     found.values[row.relpath] = tuple(values)
     if labelled is not None:
         found.labels[row.relpath] = labelled
-    found.row_hashes[row.relpath] = hashlib.sha256(json.dumps([values, labelled]).encode()).hexdigest()
+    content = found.contents.get(row.relpath)
+    hashed = [values, labelled] if content is None else [values, labelled, content.sha256]
+    found.row_hashes[row.relpath] = hashlib.sha256(json.dumps(hashed).encode()).hexdigest()
 
 
 def _ragged_problem(name: str, kind: str, value: Any) -> str:

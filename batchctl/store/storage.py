@@ -243,10 +243,13 @@ def fetch_url(url: str, path: str, storage_options: Mapping[str, Any] | None = N
 
 @dataclass(frozen=True)
 class SourceRoot:
-    """SOURCE as workers see it: a folder, or a URL whose objects are fetched one at a time."""
+    """SOURCE as workers see it: a folder, or a URL whose objects are fetched one at a time; a
+    Parquet table SOURCE that holds its rows' files has them written out, named by line, to `rows`."""
 
     root: str
     storage_options: Mapping[str, Any] = field(default_factory=dict)
+    rows: str = ""  # where the files of the rows "TABLE:LINE" of `table` were written
+    table: str = ""
 
     @functools.cached_property
     def folder(self) -> Path | None:
@@ -259,6 +262,8 @@ class SourceRoot:
         file is preprocessed."""
         if "://" in relpath:  # a table's row names a URL (a walked path never holds "//")
             return self._fetched_url(relpath)
+        if self.rows and relpath.startswith(f"{self.table}:") and relpath[len(self.table) + 1 :].isdigit():
+            return contextlib.nullcontext(Path(self.rows) / relpath[len(self.table) + 1 :])
         if self.folder is not None:  # checked once per source, not per file (tiny files count)
             return contextlib.nullcontext(self.folder / relpath)
         return self._fetched(relpath)
