@@ -598,6 +598,7 @@ SECTIONS = [
     "remote",
     "encoded",
     "scaling",
+    "tables",
 ]
 
 
@@ -607,6 +608,7 @@ def main() -> None:
     parser.add_argument("--tiny", type=int, default=20000)
     parser.add_argument("--rows", type=int, default=400_000)
     parser.add_argument("--audio-seconds", type=int, default=3600)
+    parser.add_argument("--manifest-rows", type=int, default=100_000)
     parser.add_argument(
         "--only",
         choices=SECTIONS,
@@ -674,6 +676,19 @@ def main() -> None:
             from encoded import bench_encoded
 
             bench_encoded(root, results, lambda src, out, *extra: batchctl_cmd(src, out, CORES, *extra))
+        if "tables" in todo:
+            from tables import bench_tables
+
+            photos = root / "images"
+            if not photos.exists():
+                make_image_folder(photos, args.images, sides=(300, 900))
+
+            def litdata_tables(src: Path, out: Path) -> tuple[float, float] | None:
+                found = litdata_seconds(root, src, out)
+                return None if found is None else found[:2]
+
+            command = lambda src, out, *extra: batchctl_cmd(src, out, CORES, *extra)  # noqa: E731
+            bench_tables(root, photos, args.images, args.manifest_rows, results, command, run_measured, litdata_tables)
         if "scaling" in todo:
             from scaling import bench_scaling
 
