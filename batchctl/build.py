@@ -20,7 +20,7 @@ from typing import Any, Unpack
 
 from batchctl.errors import BuildFailed, BuildInterrupted, PipelineError, UsageError
 from batchctl.plan import tables
-from batchctl.plan.discover import Discovery, check_source, discover, hash_files
+from batchctl.plan.discover import Discovery, check_source, discover, hash_files, watch_reads
 from batchctl.plan.options import BuildKwargs, BuildOptions, build_options, dataset_spec, default_workers
 from batchctl.plan.start import Interrupted, Published, Request, Start, plan_resume, plan_start, untrusted_work
 from batchctl.plan.tasks import make_tasks
@@ -387,6 +387,7 @@ class _Builder:
             self.options.label,
             self.options.path_column,
         )
+        watch_reads(discovery, self.source, self.preprocessor.reads)
         self.report.ignored, self.report.ignored_paths = discovery.ignored, discovery.ignored_paths
         if discovery.texts:  # a wider text field is another layout: the spec says its width
             self.spec = {**self.spec, "text": dict(sorted(discovery.texts.items()))}

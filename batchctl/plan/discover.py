@@ -15,6 +15,7 @@ import numpy as np
 
 from batchctl.errors import UsageError
 from batchctl.plan import tables
+from batchctl.preprocess.base import read_path
 from batchctl.records import WorkItem
 from batchctl.store import storage
 
@@ -50,6 +51,41 @@ class Discovery:
         for where, why in sorted(self.unreadable):  # a table's bad line mended is a change too
             digest.update(f"{where}\0{why}\n".encode())
         return digest.hexdigest()
+
+
+def watch_reads(discovery: Discovery, source: str, patterns: tuple[str, ...]) -> None:
+    """Fold the stamps (size and mtime, or absence) of the files a plugin declares it reads
+    (`@reads`) into each input's row hash, so an edited sidecar rebuilds its input alone and an
+    edited shared file every input. The sidecars are no inputs themselves: counted as ignored."""
+    if not patterns:
+        return
+    if storage.is_url(source) or discovery.content is not None:
+        where = "a URL SOURCE" if storage.is_url(source) else "a Parquet holding the files"
+        raise UsageError(f"the plugin declares files it reads (@reads), which {where} does not have beside its inputs")
+    root = Path(source if Path(source).is_dir() else Path(source).parent)
+    stamps: dict[str, str] = {}
+
+    def stamp(relpath: str) -> str:
+        if relpath not in stamps:
+            try:
+                found = os.stat(root / relpath)
+                stamps[relpath] = f"{found.st_size}:{found.st_mtime_ns}"
+            except OSError:
+                stamps[relpath] = "none"
+        return stamps[relpath]
+
+    read_by = {item.relpath: [read_path(p, item.relpath) for p in patterns] for item in discovery.items}
+    sidecars = {relpath for reads in read_by.values() for relpath in reads}
+    kept = [item for item in discovery.items if item.relpath not in sidecars]
+    for item in kept:
+        seen = "\0".join(f"{relpath}={stamp(relpath)}" for relpath in read_by[item.relpath])
+        row = discovery.row_hashes.get(item.relpath, "")
+        discovery.row_hashes[item.relpath] = hashlib.sha256(f"{row}\0{seen}".encode()).hexdigest()
+    left_out = [item.relpath for item in discovery.items if item.relpath in sidecars]
+    discovery.items = kept
+    discovery.ignored += len(left_out)
+    room = IGNORED_LISTED - len(discovery.ignored_paths)
+    discovery.ignored_paths.extend(left_out[: max(room, 0)])
 
 
 def hash_files(

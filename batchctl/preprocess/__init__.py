@@ -20,6 +20,7 @@ from batchctl.preprocess.base import (
     DESCRIBE_ATTRIBUTE,
     FILES_ATTRIBUTE,
     RAGGED_ATTRIBUTE,
+    READS_ATTRIBUTE,
     Block,
     PreprocessFn,
     Preprocessor,
@@ -27,6 +28,7 @@ from batchctl.preprocess.base import (
     describes,
     native,
     ragged,
+    reads,
     stack_samples,
     takes,
 )
@@ -41,6 +43,7 @@ __all__ = [
     "native",
     "portable_name",
     "ragged",
+    "reads",
     "resolve",
     "stack_samples",
     "takes",
@@ -84,6 +87,7 @@ def resolve(spec: str) -> Preprocessor:
         code=_code_of(module),
         describe=describe,
         ragged=tuple(getattr(fn, RAGGED_ATTRIBUTE, ())),
+        reads=tuple(getattr(fn, READS_ATTRIBUTE, ())),
     )
 
 

@@ -56,6 +56,8 @@ class Preprocessor:
     # the options that matter under the given ones (`relevant(merged, given)`): the others are not
     # recorded, so they neither rebuild a dataset nor pass unnoticed (it may refuse them)
     relevant: Callable[[Mapping[str, Any], Mapping[str, Any]], dict[str, Any]] | None = None
+    # other files a plugin reads for each input (`@reads`): their stamps join the input's own
+    reads: tuple[str, ...] = ()
 
     def ragged_fields(self, options: Mapping[str, Any]) -> tuple[str, ...]:
         return self.ragged_for(options) if self.ragged_for is not None else self.ragged
@@ -254,6 +256,53 @@ def takes(*globs: str) -> Callable[[PreprocessFn], PreprocessFn]:
         return fn
 
     return declare
+
+
+READS_ATTRIBUTE = "batchctl_reads"
+_PLACEHOLDERS = ("{stem}", "{name}")
+
+
+def reads(*patterns: str) -> Callable[[PreprocessFn], PreprocessFn]:
+    """Declare the other files a plugin reads, so that editing one rebuilds what it touches:
+    a sidecar beside each input (`"{stem}.json"`: photo.jpg's photo.json; `"{name}.txt"`:
+    photo.jpg.txt; relative to the input's folder) or a file every input shares (`"labels.csv"`,
+    relative to SOURCE). Their sizes and mtimes join each input's fingerprint; the sidecars
+    themselves are not inputs. Checked at import, in one line."""
+    checked = tuple(_reads_pattern(pattern) for pattern in patterns)
+    if not checked:
+        raise UsageError("@reads needs at least one file name or pattern, such as '{stem}.json'")
+
+    def declare(fn: PreprocessFn) -> PreprocessFn:
+        setattr(fn, READS_ATTRIBUTE, checked)
+        return fn
+
+    return declare
+
+
+def _reads_pattern(pattern: Any) -> str:
+    if not isinstance(pattern, str) or not pattern.strip():
+        raise UsageError(f"@reads takes file names or patterns such as '{{stem}}.json', got {pattern!r}")
+    if pattern.startswith("/") or ".." in pattern.split("/"):
+        raise UsageError(f"@reads: {pattern!r} must stay inside SOURCE (a relative path without '..')")
+    bare = pattern
+    for placeholder in _PLACEHOLDERS:
+        bare = bare.replace(placeholder, "")
+    if "{" in bare or "}" in bare:
+        raise UsageError(
+            f"@reads: {pattern!r} may hold only {{stem}} and {{name}} (the input's name without and with its extension)"
+        )
+    return pattern
+
+
+def read_path(pattern: str, relpath: str) -> str:
+    """The file `pattern` names for the input at `relpath`, relative to SOURCE: beside the input
+    when the pattern holds a placeholder, else SOURCE's own file."""
+    if not any(placeholder in pattern for placeholder in _PLACEHOLDERS):
+        return pattern
+    folder, _, name = relpath.rpartition("/")
+    stem = name.rsplit(".", 1)[0] if "." in name.lstrip(".") else name
+    named = pattern.replace("{stem}", stem).replace("{name}", name)
+    return f"{folder}/{named}" if folder else named
 
 
 DESCRIBE_ATTRIBUTE = "batchctl_fields"
