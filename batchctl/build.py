@@ -15,17 +15,19 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Unpack
 
 from batchctl.errors import BuildFailed, BuildInterrupted, PipelineError, UsageError
 from batchctl.plan import tables
-from batchctl.plan.discover import Discovery, check_source, discover, hash_files, watch_reads
+from batchctl.plan.discover import Discovery, check_source, discover, hash_files, shuffled, watch_reads
+from batchctl.plan.inputs import SOURCE, PythonInputs, is_python_inputs, path_inputs, spill_inputs
 from batchctl.plan.options import BuildKwargs, BuildOptions, build_options, dataset_spec, default_workers
 from batchctl.plan.start import Interrupted, Published, Request, Start, plan_resume, plan_start, untrusted_work
 from batchctl.plan.tasks import make_tasks
 from batchctl.prepare import Output, damaged_shards, prepare, read_interrupted, read_output, read_published
-from batchctl.preprocess import resolve
+from batchctl.preprocess import builtins, resolve
 from batchctl.progress import ConsoleProgress, Progress
 from batchctl.publish import Origin, dataset_attrs, publish, record_of
 from batchctl.records import Finished, Task, describe_error
@@ -55,14 +57,20 @@ __all__ = ["BuildKwargs", "BuildOptions", "build"]
 
 
 def build(
-    source: str | os.PathLike[str],
+    source: str | os.PathLike[str] | Iterable[Any],
     output: str | os.PathLike[str] | None = None,
     progress: Progress | None = None,
+    *,
+    input_key: Callable[[Any], str] | None = None,
     **options: Unpack[BuildKwargs],
 ) -> BuildReport:
     """Preprocess every file under `source` into the sharded dataset `output` (by default SOURCE's
     name plus `.zarr`, beside it). The options are `batchctl build`'s, as keywords of the same
     names (`BuildKwargs`).
+
+    `source` may instead be Python inputs: any iterable, whose items `preprocess=fn` takes one by
+    one (`fn(item)`), each named by `input_key(item)` (default: a path's text, an int, else its index),
+    or a map-style dataset (`len` + `__getitem__`), whose `fn(dataset[i])` the workers run.
 
     Returns the report of a complete (or already up-to-date) build; raises `BuildFailed` or
     `BuildInterrupted`, both carrying the report, when it ends otherwise.
@@ -73,8 +81,17 @@ def build(
     opts = build_options(**given)
     if progress is None:
         progress = Progress() if quiet is None else ConsoleProgress(quiet=bool(quiet))
-    where = storage.default_output(source) if output is None else storage.normalise(output)
-    builder = _Builder(storage.normalise(source), where, opts, progress)
+    if is_python_inputs(source):
+        if output is None:
+            raise UsageError("build(inputs, output): a dataset built from Python inputs needs an output path")
+        inputs = PythonInputs(source, input_key)
+        builder = _Builder(SOURCE, storage.normalise(output), opts, progress, inputs)
+    else:
+        if input_key is not None:
+            raise UsageError("input_key= names Python inputs; a SOURCE's files are named by their paths")
+        assert isinstance(source, (str, os.PathLike))
+        where = storage.default_output(source) if output is None else storage.normalise(output)
+        builder = _Builder(storage.normalise(source), where, opts, progress)
     try:
         result = builder.run()
     except (BuildFailed, BuildInterrupted) as exc:
@@ -92,12 +109,21 @@ def _write_report(report: BuildReport, path: str | os.PathLike[str] | None) -> N
 
 
 class _Builder:
-    def __init__(self, source: str, output: str, options: BuildOptions, progress: Progress) -> None:
+    def __init__(
+        self, source: str, output: str, options: BuildOptions, progress: Progress, inputs: PythonInputs | None = None
+    ) -> None:
         self.source, self.output, self.options, self.progress = source, output, options, progress
+        self.inputs = inputs
         self.root = tables.files_root(source)  # where the inputs' paths start (a table SOURCE's folder)
+        self.spill = ""  # where Python inputs are pickled for the workers
+        if inputs is not None:
+            _refuse_for_python_inputs(options)
+            self.root = os.getcwd()  # (relative paths given to a built-in start here)
         resolved = resolve(options.preprocess)
         self.preprocessor = dataclasses.replace(resolved, include=tuple(options.include) or resolved.include)
         self.pp_options = self.preprocessor.options(options.preprocess_options)
+        if inputs is not None and not self._takes_paths:
+            self.spill = _spill_folder()
         self.spec = dataset_spec(options, self.preprocessor, self.pp_options)
         self.paths = BuildPaths(output, options.storage_options)
         self.work = staging.workdir(self.paths)
@@ -108,8 +134,16 @@ class _Builder:
         self.digests: dict[str, str] = {}  # --checksum: each input's content hash
 
     def run(self) -> BuildReport:
+        try:
+            return self._run()
+        finally:
+            if self.spill:  # (the workers are gone: nothing reads it now)
+                shutil.rmtree(self.spill, ignore_errors=True)
+
+    def _run(self) -> BuildReport:
         published(False)
-        check_source(self.source)  # a typo is a usage error that leaves nothing behind, no lock file either
+        if self.inputs is None:
+            check_source(self.source)  # a typo is a usage error that leaves nothing behind, no lock file either
         if storage.is_url(self.output):
             _check_store_reachable(self.paths)
         elif not self.paths.output.parent.is_dir():
@@ -155,6 +189,8 @@ class _Builder:
         if self.options.engine == "local":
             refuse_main_children_cannot_run()
             start_forkserver()  # there is work (the CLI started it already): its preloads run alongside our planning
+        if not discovery.items and self.inputs is not None:
+            raise BuildFailed("nothing to build: the Python inputs hold no item", self.report)
         if not discovery.items:
             raise BuildFailed(
                 f"nothing to build: no file under {self.source} is taken by the {self.preprocessor.name!r} "
@@ -252,6 +288,8 @@ class _Builder:
         """The inputs as the workers see them: the files a Parquet SOURCE holds for these tasks
         written out first, into the work folder (removed with it once published; on this machine
         for a URL OUTPUT, removed when the build ends)."""
+        if self.spill and self.inputs is not None:
+            return SourceRoot(self.spill, rows=self.spill, inputs="dataset" if self.inputs.map_style else "items")
         if discovery.content is None:
             return SourceRoot(self.root, self.options.storage_options)
         table, column = discovery.content
@@ -378,6 +416,8 @@ class _Builder:
         )
 
     def _discover(self) -> Discovery:
+        if self.inputs is not None:
+            return self._discover_inputs(self.inputs)
         discovery = discover(
             self.source,
             self.preprocessor.accepts,
@@ -393,9 +433,25 @@ class _Builder:
             self.spec = {**self.spec, "text": dict(sorted(discovery.texts.items()))}
         return discovery
 
+    @property
+    def _takes_paths(self) -> bool:
+        """A built-in preprocessor takes Python inputs as paths (or URLs) to open."""
+        return self.preprocessor.name in builtins()
+
+    def _discover_inputs(self, inputs: PythonInputs) -> Discovery:
+        """Python inputs: paths for a built-in, else pickled into the spill folder as they are met."""
+        if self.preprocessor.reads:
+            raise UsageError("the plugin declares files it reads (@reads), which Python inputs do not have beside them")
+        if self._takes_paths:
+            items, refused = path_inputs(inputs, self.preprocessor.name)
+            hashes: dict[str, str] = {}
+        else:
+            items, hashes, refused = spill_inputs(inputs, Path(self.spill))
+        return Discovery(shuffled(items, self.options.seed), None, unreadable=refused, row_hashes=hashes)
+
     def _fingerprint(self, discovery: Discovery) -> str:
         """What a dataset built from these files with these options says it was built from."""
-        if self.options.checksum:
+        if self.options.checksum and not self.spill:  # (a pickled input's row hash is its content's already)
             self.digests = hash_files(self.root, discovery.items, self.options.storage_options, self.options.workers)
         return discovery.fingerprint([self.spec, discovery.classes], digests=self.digests)
 
@@ -435,6 +491,27 @@ class _Builder:
         if status in ("interrupted", "failed"):
             self.report.samples = self.tally.new_samples
         return self.report
+
+
+def _refuse_for_python_inputs(options: BuildOptions) -> None:
+    """The options that name a SOURCE's files or a cluster's, which Python inputs cannot take."""
+    if options.engine != "local":
+        raise UsageError("Python inputs are pickled on this machine for its workers: build them with engine='local'")
+    for name, value in (("label", options.label), ("include", options.include)):
+        if value:
+            raise UsageError(
+                f"{name}= chooses among a SOURCE's files; Python inputs are all built (return the fields you want)"
+            )
+    if options.path_column != tables.FILE_NAME:
+        raise UsageError("path_column= names a table's column of files; Python inputs are the items themselves")
+
+
+def _spill_folder() -> str:
+    """Where Python inputs are pickled for the workers: on this machine, removed when the build
+    ends (swept by the next build should this one be killed)."""
+    folder = tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{os.getpid()}-inputs-")
+    atexit.register(shutil.rmtree, folder, True)
+    return folder
 
 
 def _make_folder(folder: Path) -> None:

@@ -295,7 +295,7 @@ def _named_by(
         items = [
             WorkItem(rel, -1 if label is None else read.label_of(rel), size, mtime_ns) for rel, size, mtime_ns in found
         ]
-        discovery = Discovery(_shuffled(items, seed), read.classes, len(ignored), unreadable, ignored[:IGNORED_LISTED])
+        discovery = Discovery(shuffled(items, seed), read.classes, len(ignored), unreadable, ignored[:IGNORED_LISTED])
     for item in discovery.items:
         item.values = read.values[item.relpath]
     discovery.row_hashes, discovery.texts = read.row_hashes, read.texts
@@ -367,10 +367,11 @@ def _labelled(
             items.append(WorkItem(rel, class_ids[rel.split("/", 1)[0]], size, mtime_ns))
         else:
             ignored.append(rel)  # beside the class folders: no class
-    return Discovery(_shuffled(items, seed), classes, len(ignored), unreadable, ignored[:IGNORED_LISTED])
+    return Discovery(shuffled(items, seed), classes, len(ignored), unreadable, ignored[:IGNORED_LISTED])
 
 
-def _shuffled(items: list[WorkItem], seed: int | None) -> list[WorkItem]:
+def shuffled(items: list[WorkItem], seed: int | None) -> list[WorkItem]:
+    """The items in the seed's order (as found, without one: `--sorted`)."""
     if seed is None:
         return items
     # (numpy's permutation: random.shuffle took ~0.7 us a file, a sixth of the walk)

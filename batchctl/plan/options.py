@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
 from batchctl.errors import FormatError, UsageError
-from batchctl.preprocess import Preprocessor, portable_name
+from batchctl.preprocess import PreprocessFn, Preprocessor, portable_name, spec_of
 from batchctl.store import metadata as meta, storage
 
 
@@ -97,7 +97,7 @@ class BuildKwargs(TypedDict, total=False):
 
     batch_size: int
     workers: int
-    preprocess: str
+    preprocess: str | PreprocessFn  # a built-in's name, "module:function", or (from Python) the function
     preprocess_options: Mapping[str, object]
     seed: int | None
     shard_batches: int | None
@@ -166,6 +166,8 @@ def build_options(**given: Any) -> BuildOptions:
         kwargs["max_errors"] = 0
     if kwargs.pop("sorted", False):
         kwargs["seed"] = None
+    if callable(kwargs.get("preprocess")):  # a Python function: the workers import it by name
+        kwargs["preprocess"] = spec_of(kwargs["preprocess"])
     pp_options = dict(kwargs.pop("preprocess_options", None) or {})
     pp_options.update(_key_values(kwargs.pop("option", None), lambda text: dict([parse_option(text)])))
     for name in PREPROCESS_FLAGS:

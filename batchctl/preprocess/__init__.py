@@ -45,9 +45,13 @@ __all__ = [
     "ragged",
     "reads",
     "resolve",
+    "spec_of",
     "stack_samples",
     "takes",
 ]
+
+
+PLUGIN_MODULE_PREFIX = "batchctl_plugin_"  # the module name of a plugin loaded from its file
 
 
 def builtins() -> dict[str, Preprocessor]:
@@ -91,6 +95,20 @@ def resolve(spec: str) -> Preprocessor:
     )
 
 
+def spec_of(fn: PreprocessFn) -> str:
+    """The spec by which workers find a Python function again (`module:name`): a script's own
+    function is `__main__:name`, which every child has, as it runs the script again."""
+    module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    if not module or not name or "<" in name or "." in name:
+        raise UsageError(
+            f"preprocess={fn!r}: the workers import the function by its name; define it at the top level of a "
+            "module or script (not a lambda, a method or a function inside another)"
+        )
+    if module.startswith(PLUGIN_MODULE_PREFIX):  # loaded from a file by `resolve`: the file names it
+        return f"{sys.modules[module].__file__}:{name}"
+    return f"{module}:{name}"
+
+
 def portable_name(name: str) -> str:
     """A preprocessor's name as a dataset records it: a plugin file by its file name, not its
     path (`/home/me/x/plugins.py:fn` -> `plugins.py:fn`): the same files, options and code give
@@ -114,7 +132,7 @@ def _load_module(where: str, spec: str) -> ModuleType:
         path = Path(where)
         if not path.is_file():
             raise UsageError(f"--preprocess {spec}: no such file {path}.")
-        name = "batchctl_plugin_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
+        name = PLUGIN_MODULE_PREFIX + hashlib.sha1(str(path).encode()).hexdigest()[:12]
         if name in sys.modules:
             return sys.modules[name]
         module_spec = importlib.util.spec_from_file_location(name, path)

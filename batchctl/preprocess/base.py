@@ -137,9 +137,10 @@ class Preprocessor:
         return {p.name for p in named}, {p.name for p in named if p.default is p.empty}
 
     def columns(
-        self, path: Path, options: Mapping[str, Any], part: tuple[int, int] | None = None
+        self, path: Path | Any, options: Mapping[str, Any], part: tuple[int, int] | None = None
     ) -> dict[str, np.ndarray]:
-        """Run the function; its samples stacked field by field (row i of each column is sample i)."""
+        """Run the function on a file's path (or a Python input); its samples stacked field by
+        field (row i of each column is sample i)."""
         result = self.fn(path, **options) if part is None else self.fn(path, **options, part=part)
         ragged = self.ragged_fields(options)
         if ragged:

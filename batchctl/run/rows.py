@@ -150,8 +150,11 @@ def preprocess_file(
     _, relpath, _, _, _, part, skip, values = task
     path: Path | str = relpath
     try:
-        with source.local_file(relpath) as path:
-            columns = preprocessor.columns(path, options, part)
+        if source.inputs:  # from Python: the function takes the input itself
+            columns = preprocessor.columns(source.input_of(relpath), options, part)
+        else:
+            with source.local_file(relpath) as path:
+                columns = preprocessor.columns(path, options, part)
     except Exception as exc:  # noqa: BLE001 - any failure of one file is that file's error
         return describe_error(exc).replace(f" '{path}'", "").replace(str(path), relpath)
     check_fields(preprocessor, columns)  # the preprocessor's fault, not the file's: raised, ending the build

@@ -10,9 +10,11 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import hashlib
 import inspect
 import json
 import os
+import pickle
 import shutil
 import tempfile
 import time
@@ -241,15 +243,31 @@ def fetch_url(url: str, path: str, storage_options: Mapping[str, Any] | None = N
         time.sleep(0.5 * (attempt + 1))
 
 
+DATASET_FILE = "dataset.pickle"  # a map-style dataset given to build(), pickled for the workers
+
+
+def input_file(folder: Path, key: str) -> Path:
+    """Where the pickle of the Python input named `key` lies (any text names a file this way)."""
+    return folder / hashlib.sha256(key.encode()).hexdigest()
+
+
 @dataclass(frozen=True)
 class SourceRoot:
     """SOURCE as workers see it: a folder, or a URL whose objects are fetched one at a time; a
-    Parquet table SOURCE that holds its rows' files has them written out, named by line, to `rows`."""
+    Parquet table SOURCE that holds its rows' files has them written out, named by line, to `rows`;
+    Python inputs (`inputs`) are pickled in `rows`, by key or as one dataset."""
 
     root: str
     storage_options: Mapping[str, Any] = field(default_factory=dict)
     rows: str = ""  # where the files of the rows "TABLE:LINE" of `table` were written
     table: str = ""
+    inputs: str = ""  # "items": an iterable's items pickled one by one; "dataset": a map-style dataset
+
+    def input_of(self, key: str) -> Any:
+        """The Python input named `key`, as the preprocessing function takes it."""
+        if self.inputs == "dataset":
+            return _dataset(self.rows)[int(key)]
+        return pickle.loads(input_file(Path(self.rows), key).read_bytes())
 
     @functools.cached_property
     def folder(self) -> Path | None:
@@ -281,3 +299,9 @@ class SourceRoot:
         with tempfile.NamedTemporaryFile(prefix="batchctl-", suffix=PurePosixPath(relpath).suffix) as copy:
             fs.get_file(f"{fs_path(self.root)}/{relpath}", copy.name)
             yield Path(copy.name)
+
+
+@functools.cache
+def _dataset(folder: str) -> Any:
+    """A map-style dataset, unpickled once per worker."""
+    return pickle.loads((Path(folder) / DATASET_FILE).read_bytes())
