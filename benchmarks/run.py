@@ -688,7 +688,9 @@ def main() -> None:
                 return None if found is None else found[:2]
 
             command = lambda src, out, *extra: batchctl_cmd(src, out, CORES, *extra)  # noqa: E731
-            bench_tables(root, photos, args.images, args.manifest_rows, results, command, run_measured, litdata_tables)
+            bench_tables(
+                root, photos, args.images, args.manifest_rows, results, command, run_measured, litdata_tables, CORES
+            )
         if "scaling" in todo:
             from scaling import bench_scaling
 

@@ -1,8 +1,9 @@
-"""Building from tables: the same photos as a folder, as a CSV of their paths and as a Parquet of
-their bytes (the Hugging Face hub's `image: {bytes, path}`), alternated rounds, medians, each
-build whole (`--force`); LitData's `optimize(fn, inputs)` over the same list of files; and a
-manifest of many tiny .npy files named by a CSV, against the same files as a folder: planning
-(start to the first task dispatched, the report's `start_s`) and peak RSS of the process tree.
+"""Building from tables: the same photos as a folder, as a CSV of their paths, as a Parquet of
+their bytes (the Hugging Face hub's `image: {bytes, path}`) and as a Python list of their paths
+(`batchctl.build(paths, ...)`), alternated rounds, medians, each build whole (`--force`);
+LitData's `optimize(fn, inputs)` over the same list of files; and a manifest of many tiny .npy
+files named by a CSV, against the same files as a folder: planning (start to the first task
+dispatched, the report's `start_s`) and peak RSS of the process tree.
 
     python benchmarks/run.py --only tables [--images N] [--manifest-rows N]
 """
@@ -12,12 +13,21 @@ from __future__ import annotations
 import json
 import shutil
 import statistics
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+PYTHON_JOB = """
+import json, sys
+import batchctl
+
+if __name__ == "__main__":
+    paths, out, workers = json.load(open(sys.argv[1])), sys.argv[2], int(sys.argv[3])
+    batchctl.build(paths, out, preprocess="image", workers=workers, force=True, quiet=True)
+"""
 ROUNDS = 3  # alternated; the median is kept (one run to the next varies by a tenth on this shared machine)
 
 
@@ -46,19 +56,30 @@ def bench_tables(
     command: Callable[..., list[str]],
     measure: Callable[..., tuple[float, int, Any]],
     litdata: Callable[[Path, Path], tuple[float, float] | None],
+    workers: int,
 ) -> None:
     csv, parquet = _photo_tables(src, root / "hub")
+    listed, job = root / "paths.json", root / "python_job.py"
+    listed.write_text(json.dumps(sorted(str(p) for p in src.rglob("*") if p.is_file())))
+    job.write_text(PYTHON_JOB)
+    out = root / "tables.zarr"
     forms = {
-        "folder (class folders)": (src, []),
-        "CSV of paths (--label kind)": (csv, ["--label", "kind"]),
-        "Parquet of the photos' bytes (--label kind)": (parquet, ["--label", "kind"]),
+        "folder (class folders)": command(src, out),
+        "CSV of paths (--label kind)": command(csv, out, "--label", "kind"),
+        "Parquet of the photos' bytes (--label kind)": command(parquet, out, "--label", "kind"),
+        "Python list of the paths (batchctl.build(paths, ...))": [
+            sys.executable,
+            str(job),
+            str(listed),
+            str(out),
+            str(workers),
+        ],
     }
     runs: dict[str, list[tuple[float, int]]] = {form: [] for form in forms}
     for _ in range(ROUNDS):
-        for form, (source, extra) in forms.items():
-            out = root / "tables.zarr"
+        for form, cmd in forms.items():
             shutil.rmtree(out, ignore_errors=True)
-            elapsed, peak, _ = measure(command(source, out, *extra))
+            elapsed, peak, _ = measure(cmd)
             runs[form].append((count / elapsed, peak))
     folder_rate = statistics.median(rate for rate, _ in runs["folder (class folders)"])
     rows = []
@@ -76,9 +97,11 @@ def bench_tables(
     peer = litdata(src, root / "litdata_tables")
     if peer is not None:
         table_rate = next(r["samples_per_s"] for r in rows if r["source"].startswith("CSV"))
+        list_rate = next(r["samples_per_s"] for r in rows if r["source"].startswith("Python"))
         section["litdata"] = {
             "samples_per_s": round(count / peer[0], 1),
             "csv_build_over_litdata": round(table_rate / (count / peer[0]), 2),
+            "python_list_over_litdata": round(list_rate / (count / peer[0]), 2),
         }
     section["manifest"] = _manifest(root, manifest_rows, command, measure)
     results["tables"] = section

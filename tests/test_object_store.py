@@ -786,3 +786,39 @@ def test_carried_rows_at_a_url_are_read_checked_and_a_missing_shard_is_an_error(
     assert not np.asarray(group["image"][30:34]).any()  # zarr-python: zeros, no error
     with pytest.raises(batchctl.FormatError, match=r"image/c/1/0/0/0 is missing"):
         RowReader(url, dict(group.arrays()), options).rows("image", 30, 34)
+
+
+def test_a_table_in_a_bucket_builds_the_objects_it_names_and_an_edited_row_alone(
+    bucket: str, s3_endpoint: str, tmp_path: Path
+) -> None:
+    """`batchctl build s3://bucket/data/train.csv`: its rows name objects beside it (and one an
+    s3:// URL elsewhere); the workers fetch them; the dataset goes beside the table."""
+    fs = _fs(s3_endpoint)
+    for i in range(6):
+        local = tmp_path / f"a{i}.npy"
+        np.save(local, np.full(3, i, np.float32))
+        fs.put(str(local), f"{bucket}/data/x/a{i}.npy" if i < 5 else f"{bucket}/elsewhere/a{i}.npy")
+    lines = ["file_name,kind,score", *(f"x/a{i}.npy,{'ab'[i % 2]},{i / 2}" for i in range(5))]
+    lines += [f"s3://{bucket}/elsewhere/a5.npy,b,2.5", "x/gone.npy,a,1"]
+    fs.pipe(f"{bucket}/data/train.csv", ("\n".join(lines) + "\n").encode())
+    source, report = f"s3://{bucket}/data/train.csv", tmp_path / "r.json"
+    args = ["build", source, "--preprocess", "npy", "--batch-size", "4", "--workers", "2", "--label", "kind"]
+    result = run_cli(*args, "--report", report)
+    assert result.returncode == 0, result.stderr
+    ds = batchctl.open(f"s3://{bucket}/data/train.zarr")
+    rows = {
+        str(s): (a.tolist(), int(k), float(v))
+        for b in ds
+        for s, a, k, v in zip(b["source"], b["array"], b["label"], b["score"], strict=True)
+    }
+    want = {f"x/a{i}.npy": ([float(i)] * 3, i % 2, i / 2) for i in range(5)}
+    assert rows == {**want, f"s3://{bucket}/elsewhere/a5.npy": ([5.0] * 3, 1, 2.5)} and ds.classes == ["a", "b"]
+    assert {e["source"]: e["error"] for e in json.loads(report.read_text())["errors"]} == {
+        "train.csv:8": "names x/gone.npy, which is not there"
+    }
+    assert "up to date" in run_cli(*args).stderr
+    fs.pipe(f"{bucket}/data/train.csv", ("\n".join(lines).replace("x/a3.npy,b,1.5", "x/a3.npy,b,9.0") + "\n").encode())
+    edited = run_cli(*args, "--report", report)
+    assert edited.returncode == 0, edited.stderr
+    data = json.loads(report.read_text())
+    assert data["processed"] == 1 and data["changed"]["paths"] == ["x/a3.npy"]

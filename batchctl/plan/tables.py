@@ -42,7 +42,7 @@ from batchctl.store import metadata, storage
 T = TypeVar("T")
 
 TABLE_NAMES = ("metadata.csv", "metadata.jsonl", "metadata.parquet")
-SOURCE_SUFFIXES = (".csv", ".tsv", ".jsonl", ".parquet")  # a table given as SOURCE itself
+SOURCE_SUFFIXES = storage.TABLE_SUFFIXES  # a table given as SOURCE itself
 FILE_NAME = "file_name"
 MAX_TABLE_BYTES = 2**30  # a table is read whole (CSV and JSONL); a larger one is refused in one line
 MAX_CELL_BYTES = 2**16  # a text cell's UTF-8 bytes at most: every row of its field takes the longest's room
@@ -117,13 +117,20 @@ def is_table(relpath: str) -> bool:
 
 
 def files_root(source: str) -> str:
-    """Where the inputs' paths start: SOURCE, or a table SOURCE's folder."""
+    """Where the inputs' paths start: SOURCE, or a table SOURCE's folder (or prefix, for a URL)."""
+    if is_url_table(source):
+        return source.rsplit("/", 1)[0]
     return str(Path(source).parent) if is_table_source(source) else source
 
 
 def is_table_source(source: str) -> bool:
     """SOURCE is a table (a local file named *.csv, *.tsv, *.jsonl, *.parquet), not a folder."""
     return source.lower().endswith(SOURCE_SUFFIXES) and Path(source).is_file()
+
+
+def is_url_table(source: str) -> bool:
+    """SOURCE is a table in an object store or on a web server (`s3://bucket/train.csv`)."""
+    return storage.is_url(source) and source.lower().endswith(SOURCE_SUFFIXES)
 
 
 def read_tables(
@@ -367,19 +374,25 @@ def write_contents(table: Path, column: str, lines: Collection[int], folder: Pat
         pass
 
 
+_NUMBER_STARTS = frozenset("+-.iInN")  # what a number int() or float() reads may start with, but a digit
+_KINDS = {bool: "bool", int: "int", float: "float", str: "text"}
+
+
 def _cell(value: str) -> Any:
     """A CSV cell as the value it spells: a whole number, a number, true/false, else text (an
     empty cell: None)."""
     stripped = value.strip()
     if not stripped:
         return None
-    if stripped.lower() in ("true", "false"):
+    first = stripped[0]
+    if first.isdigit() or first in _NUMBER_STARTS:  # (no failed int() and float() for each path and name)
+        for kind in (int, float):
+            try:
+                return kind(stripped)
+            except ValueError:
+                pass
+    elif len(stripped) in (4, 5) and stripped.lower() in ("true", "false"):
         return stripped.lower() == "true"
-    for kind in (int, float):
-        try:
-            return kind(stripped)
-        except ValueError:
-            pass
     return value
 
 
@@ -398,6 +411,9 @@ def _named_once(rows: list[_Row], present: Callable[[str], bool], found: Tables)
 
 
 def _kind(value: Any) -> str:
+    kind = _KINDS.get(type(value))
+    if kind is not None:
+        return kind
     if isinstance(value, bool):
         return "bool"
     if isinstance(value, int):
@@ -502,9 +518,10 @@ def _take(row: _Row, kinds: Mapping[str, str], label: str | None, found: Tables)
                 return
             values.append((name, kind, value))
             continue
-        if kind == "float" and _kind(value) == "int":
-            value = float(value)
-        if _kind(value) != kind:
+        got = _kind(value)
+        if kind == "float" and got == "int":
+            value, got = float(value), "float"
+        if got != kind:
             found.bad_rows.append((row.where, f"the column {name!r} holds {kind} values, this row {value!r}"))
             return
         if name == label:

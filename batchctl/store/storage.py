@@ -41,6 +41,9 @@ def normalise(location: str | os.PathLike[str]) -> str:
     return text.rstrip("/") if is_url(text) else os.path.abspath(text)
 
 
+TABLE_SUFFIXES = (".csv", ".tsv", ".jsonl", ".parquet")  # a table given as SOURCE itself
+
+
 def default_output(source: str | os.PathLike[str]) -> str:
     """SOURCE's own name plus `.zarr`, beside it: `data/` -> `data.zarr`, `s3://b/raw/` -> `s3://b/raw.zarr`,
     `train.csv` -> `train.zarr`."""
@@ -50,6 +53,8 @@ def default_output(source: str | os.PathLike[str]) -> str:
         parent, _, name = path.rpartition("/")
         if not parent or not name:
             raise UsageError(f"SOURCE {source} is a bucket's root: name OUTPUT with -o.")
+        if name.lower().endswith(TABLE_SUFFIXES):  # s3://b/train.csv -> s3://b/train.zarr
+            name = name.rsplit(".", 1)[0]
         return f"{scheme}://{parent}/{name}.zarr"
     if where == os.path.dirname(where):
         raise UsageError(f"SOURCE {source} is the root folder: name OUTPUT with -o.")
@@ -284,6 +289,8 @@ class SourceRoot:
             return contextlib.nullcontext(Path(self.rows) / relpath[len(self.table) + 1 :])
         if self.folder is not None:  # checked once per source, not per file (tiny files count)
             return contextlib.nullcontext(self.folder / relpath)
+        if self.root.startswith(("http://", "https://")):  # a table on a web server names files beside it
+            return self._fetched_url(f"{self.root}/{relpath}")
         return self._fetched(relpath)
 
     @contextlib.contextmanager
