@@ -30,6 +30,7 @@ from batchctl.read.reader import Dataset
 from batchctl.read.views import FieldsOf, Subset
 from batchctl.run.mpinternals import pickled_for_a_child
 from batchctl.torch_ring import BatchRing, SharedLock, SlotBatch, slot_bytes
+from batchctl.torch_state import finished, rank_steps, saved_num_workers, stream_states
 
 # torchdata 0.11's StatefulDataLoader calls a function torch 2.13 deprecates, on every iterator it
 # makes: a warning the user can do nothing about, in every run of a recipe (one message, no other)
@@ -103,27 +104,28 @@ def _stateful_loader_class() -> type:
 
     class BatchctlDataLoader(StatefulDataLoader):  # type: ignore[misc]
         def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-            saved = saved_num_workers(state_dict)
-            if saved is not None and saved != self.num_workers:
+            """The state as torchdata loads it, saved with these `num_workers` on this world size;
+            else the rank's place in it, taken up by the stream itself, the DataLoader starting
+            afresh from there (torchdata's own layout holds one place per worker)."""
+            stream, saved = self.dataset, saved_num_workers(state_dict)
+            if (
+                saved is None
+                or not isinstance(stream, IterableBatches)
+                or not stream.layout_differs(state_dict, saved, self.num_workers)
+            ):
+                super().load_state_dict(state_dict)
+                return
+            rank = stream.rank_state(state_dict)
+            if rank is None:
                 raise ResumeMismatchError(
                     f"the state was saved by a DataLoader with num_workers={saved}, this one has "
-                    f"num_workers={self.num_workers}: resume with num_workers={saved}"
+                    f"num_workers={self.num_workers}, and the state does not say where its rank was: "
+                    f"resume with num_workers={saved}"
                 )
-            super().load_state_dict(state_dict)
+            stream.load_state_dict(rank)
+            stream.any_workers()
 
     return BatchctlDataLoader
-
-
-def saved_num_workers(state: Mapping[str, Any]) -> int | None:
-    """The `num_workers` a `StatefulDataLoader` state was saved with (torchdata 0.11's layout: a
-    multi-process loader's under `_snapshot`, a single-process one's with `_num_yielded`), or None
-    when the state does not say (left to torchdata)."""
-    snapshot = state.get("_snapshot")
-    if isinstance(snapshot, Mapping):
-        main = snapshot.get("_main_snapshot")
-        workers = main.get("_num_workers") if isinstance(main, Mapping) else None
-        return workers if isinstance(workers, int) else None
-    return 0 if "_num_yielded" in state else None
 
 
 @dataclass
@@ -384,18 +386,52 @@ class IterableBatches(IterableDataset[dict[str, Any]]):
         state.update(yielded=current.yielded, world_size=self.world_size)
         return state
 
+    def layout_differs(self, loader_state: Mapping[str, Any], saved_workers: int, workers: int) -> bool:
+        """A `StatefulDataLoader` state saved with other DataLoader workers or on another world size."""
+        worlds = {state.get("world_size", self.world_size) for state in stream_states(loader_state)}
+        return saved_workers != workers or worlds != {self.world_size}
+
+    def rank_state(self, loader_state: Mapping[str, Any]) -> dict[str, Any] | None:
+        """A `StatefulDataLoader` state's place of this rank as one consumer's state: its
+        workers' pass start moved on by the steps the rank has had (they hand them out in turn),
+        so that any workers on any world size of the family go on from there; None when the
+        state does not say."""
+        states, steps = stream_states(loader_state), rank_steps(loader_state)
+        if not states or steps is None or not all(isinstance(s.get("epoch"), int) for s in states):
+            return None
+        if finished(loader_state):  # every worker is at the next epoch's start
+            return {**max(states, key=lambda s: int(s["epoch"])), "yielded": 0, "worker": 0, "workers": 1}
+        epoch = min(int(s["epoch"]) for s in states)
+        current = [s for s in states if s["epoch"] == epoch]  # (the others have handed out their share)
+        if len({s.get("position") for s in current}) != 1 or any(s["epoch"] > epoch + 1 for s in states):
+            return None
+        if sum(int(s.get("yielded", 0)) for s in current) > steps:
+            return None
+        world = int(current[0].get("world_size", self.world_size))
+        return {
+            **current[0],
+            "position": int(current[0]["position"]) + steps * world,
+            "yielded": 0,
+            "worker": 0,
+            "workers": 1,
+        }
+
+    def any_workers(self) -> None:
+        """A loaded state of one consumer that any number of DataLoader workers share."""
+        self._workers = None
+
     def dataloader(self, num_workers: int = 0, **options: Any) -> Any:
         """torchdata's `StatefulDataLoader` over this stream (`batch_size=None`: the batches are the
-        stream's; `options` are the loader's), whose `load_state_dict` refuses in one line a state
-        saved with another `num_workers`: torchdata's own fails on an assertion as it makes the next
-        iterator (a state holds one position per worker, each counting only that worker's steps)."""
+        stream's; `options` are the loader's), whose `load_state_dict` takes a state saved with
+        other `num_workers` or on another world size of the family (torchdata's own fails on an
+        assertion: its state holds one position per worker, each counting only that worker's steps)."""
         return _stateful_loader_class()(self, batch_size=None, num_workers=num_workers, **options)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state`. Saved on another world size, a state of a rank without
         DataLoader workers continues exactly (every rank had taken `yielded` steps of the global
-        order: the position is moved past them); one with workers is refused in one line (each
-        worker's state holds its own count only, not the rank's)."""
+        order: the position is moved past them); one worker's state alone is refused in one line
+        (it holds its own count only, not the rank's: `dataloader()` reads the rank's from all)."""
         self._partitions = self._loader().check_state(state)
         self._loader().with_partitions(self._partitions, self._worker()[1])
         if isinstance(loader := self._loader(), MixedLoader):
@@ -413,7 +449,8 @@ class IterableBatches(IterableDataset[dict[str, Any]]):
             if workers > 1:
                 raise ResumeMismatchError(
                     f"the state was saved on {world} ranks with {workers} DataLoader workers each, and resumes only on "
-                    f"{world} ranks (this is {self.world_size}); a state saved with num_workers=0 resumes on any number"
+                    f"{world} ranks (this is {self.world_size}) in a plain StatefulDataLoader; "
+                    "stream.dataloader(...) resumes it on any number"
                 )
             position, yielded = position + yielded * world, 0
         share = len(self._loader().batches(position, state["epoch"], worker, workers))
