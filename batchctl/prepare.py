@@ -79,10 +79,11 @@ def read_interrupted(paths: BuildPaths, work: Workdir, batch_size: int) -> Inter
 
 
 def _local_facts(facts: Interrupted, paths: BuildPaths, arrays: Mapping[str, ArrayMeta]) -> Interrupted:
-    """The sizes of the shard files the journal's open batches lie in, and whether its
-    half-filled batch decodes."""
+    """The sizes of the shard files the journal's batches lie in (finished shards' too: a file
+    cut short after its shard was journaled finished is seen), and whether its half-filled batch
+    decodes."""
     journal = facts.journal
-    shards = {batch.shard for batch in journal.kept if batch.shard >= journal.done_shards}
+    shards = {batch.shard for batch in journal.kept}
     files = paths.staging_files
     sizes = {(name, shard): files.size(arr.shard_key(shard)) for name, arr in arrays.items() for shard in shards}
     decodes = journal.partial is not None and _decodes(paths, arrays, journal)

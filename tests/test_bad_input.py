@@ -237,6 +237,40 @@ def test_a_full_disk_while_resuming_an_incremental_build_keeps_what_it_resumes(
     assert_exactly_once(out, {str(p.relative_to(source)) for p in source.rglob("*.*")})
 
 
+@pytest.mark.parametrize("incremental", [False, True], ids=["a first build", "an incremental build"])
+def test_a_finished_shard_cut_short_in_the_work_folder_is_written_again(
+    image_folder: Path, tmp_path: Path, incremental: bool
+) -> None:
+    """A shard file the journal says is finished, cut short afterwards (a disk that lost what it
+    had acknowledged): the resumed build writes its rows again (an incremental build whose copy
+    of the last build's open shard is cut starts over); what it publishes verifies, every file
+    once. (It published a shard without its index before.)"""
+    source = tmp_path / "source"
+    shutil.copytree(image_folder, source)
+    out = tmp_path / "o.zarr"
+    args = ["--preprocess", f"{PLUGINS}:slow_image", "--batch-size", "4", "--shard-batches", "2", "--workers", "2"]
+    done_before = 0
+    if incremental:  # 60 files: 7 whole shards, kept as links to the published files, and a short one, copied
+        assert run_cli("build", source, "-o", out, *args).returncode == 0
+        for path in sorted(source.rglob("*.*"))[::3]:
+            shutil.copy(path, path.with_name("new-" + path.name))
+        done_before = 7
+    proc = start_cli("build", source, "-o", out, *args)
+    wait_for(lambda: journal_shards(out) >= done_before + 1)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=60)
+    finished = [line["shard_done"] for line in journal_lines(out) if "shard_done" in line]
+    assert proc.returncode == 143 and len(finished) > done_before
+    shard = finished[done_before]  # (the incremental build's: its copy of the last build's open shard)
+    image = out.parent / f".{out.name}.batchctl" / "staging.zarr" / "image" / "c" / str(shard) / "0" / "0" / "0"
+    assert image.stat().st_nlink == 1
+    os.truncate(image, 100)  # (into its first chunk: for the incremental build, a row it kept from the last)
+    resumed = run_cli("build", source, "-o", out, *args)
+    assert resumed.returncode == 0, resumed.stderr
+    assert ("starting over" in resumed.stderr) == incremental, resumed.stderr
+    assert_exactly_once(out, {str(p.relative_to(source)) for p in source.rglob("*.*")})
+
+
 def test_collator_killed_fails_cleanly(image_folder: Path, tmp_path: Path) -> None:
     out = tmp_path / "o.zarr"
     proc = start_cli("build", image_folder, "-o", out, *SLOW)

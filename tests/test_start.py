@@ -302,12 +302,21 @@ def test_with_checksum_a_touched_file_of_the_same_content_keeps_its_rows() -> No
     assert start.how == "incremental" and start.only == {"new.png"} and start.kept_samples == 4
 
 
-def test_more_kept_samples_than_the_journal_holds_is_untrusted() -> None:
+def test_fewer_rows_in_the_journal_than_the_incremental_build_kept_start_it_over() -> None:
+    """Rows it copied from the last build are gone from the work folder (a damaged disk): the
+    published dataset is intact, so the incremental build is made again from it; on an object
+    store, where the dataset is changed in place, the work is refused."""
     files = items(4)
     state = State(SPEC, SOURCE, None, incremental=Seeded("b1", "feed", "/out/d.zarr", 0, 99))
     facts = interrupted(journal_of(batches(files)), state, record=record(files))
+    assert plan_resume(request(files), facts) is None
+    start = plan_start(request(files), facts, published(record(files)))
+    assert start.how != "resume" and any("starting over" in note for note in start.notes), start.notes
+    carry = "s3://b/.d.zarr.batchctl/previous.zarr"
+    state = State(SPEC, SOURCE, None, incremental=Seeded("b1", "feed", carry, 0, 99))
+    facts = interrupted(journal_of(batches(files)), state, record=record(files))
     with pytest.raises(Untrusted, match="kept_samples is more than the 4 rows"):
-        resumed(request(files), facts)
+        plan_resume(request(files, carry_from=carry, work_url="s3://b/.d.zarr.batchctl"), facts)
 
 
 def test_the_plan_is_a_pure_function_of_its_facts() -> None:

@@ -22,6 +22,7 @@ from batchctl.errors import ResumeMismatchError
 from batchctl.plan import incremental
 from batchctl.plan.incremental import Changes, Plan
 from batchctl.records import CarryRun, WorkItem
+from batchctl.store import storage
 from batchctl.store.journal import (
     BatchLine,
     Chunk,
@@ -249,7 +250,12 @@ def _resumed(
             kept_samples=seeded.kept_samples + sum(run.rows for run in plan.carry),
         )
     resumed_samples = kept.samples - (seeded.kept_samples if seeded else 0)
-    if resumed_samples < 0:
+    if resumed_samples < 0 and not storage.is_url(request.work_url):  # (the published dataset is intact)
+        notes.append(
+            "the interrupted build's copy of the last build's rows is not all there (a damaged disk?); starting over"
+        )
+        return None
+    if resumed_samples < 0:  # an object store's dataset is changed in place: not ours to guess at
         raise Untrusted(f"state.json: kept_samples is more than the {kept.samples} rows the journal keeps")
     if resumed_samples:
         notes.append(f"resuming: {resumed_samples} samples kept from the interrupted build")
@@ -285,7 +291,8 @@ def _record_again(request: Request, interrupted: Interrupted | None, notes: list
 def _still_there(interrupted: Interrupted) -> Journaled:
     """What the interrupted build journaled and is really there: batches whose chunks lie within
     their shard files (the journal is written after its data is fsynced, so this only cuts what a
-    damaged disk lost), and a half-filled batch that still decodes."""
+    damaged disk lost: from the first batch missing on, and its shard, finished or not, is open
+    again), and a half-filled batch that still decodes."""
     if interrupted.problem:
         raise Untrusted(interrupted.problem)
     if not interrupted.arrays:
@@ -294,6 +301,8 @@ def _still_there(interrupted: Interrupted) -> Journaled:
     batches, partial = journal.batches, journal.partial
 
     def present(batch: BatchLine) -> bool:
+        if not batch.chunks and batch.shard < journal.done_shards:  # a whole shard an incremental build kept:
+            return True  # the last build's file itself, checked against its hash as that build was planned
         for name in interrupted.arrays:
             if name not in batch.chunks:
                 raise Untrusted(f"journal: batch {batch.batch} has no chunk of {name!r}")
@@ -302,13 +311,15 @@ def _still_there(interrupted: Interrupted) -> Journaled:
                 return False
         return True
 
-    done = journal.done_shards
-    cut = next((i for i, batch in enumerate(batches) if batch.shard >= done and not present(batch)), None)
+    done, hashes = journal.done_shards, journal.hashes
+    cut = next((i for i, batch in enumerate(batches) if not present(batch)), None)
     if cut is not None:
+        done = min(done, batches[cut].shard)
         batches, partial = batches[:cut], None
+        hashes = {shard: found for shard, found in hashes.items() if shard < done}
     if not interrupted.partial_decodes:
         partial = None
-    return Journaled(batches, partial, done, hashes=journal.hashes)
+    return Journaled(batches, partial, done, hashes=hashes)
 
 
 def _groups_there(interrupted: Interrupted) -> Journaled:
