@@ -125,7 +125,7 @@ def build(
         str,
         typer.Option(
             metavar="NAME",
-            help="image, audio, npy, or your own function: package.module:function or file.py:function.",
+            help="image, audio, npy, text, or your own function: package.module:function or file.py:function.",
         ),
     ] = "image",
     include: Annotated[

@@ -55,9 +55,9 @@ PLUGIN_MODULE_PREFIX = "batchctl_plugin_"  # the module name of a plugin loaded 
 
 
 def builtins() -> dict[str, Preprocessor]:
-    from batchctl.preprocess import audio, image, npy
+    from batchctl.preprocess import audio, image, npy, text
 
-    return {p.name: p for p in (image.PREPROCESSOR, audio.PREPROCESSOR, npy.PREPROCESSOR)}
+    return {p.name: p for p in (image.PREPROCESSOR, audio.PREPROCESSOR, npy.PREPROCESSOR, text.PREPROCESSOR)}
 
 
 def resolve(spec: str) -> Preprocessor:

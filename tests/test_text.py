@@ -1,0 +1,111 @@
+"""`--preprocess text`: .txt documents as a ragged `tokens` field, from a BPE trained here
+(`tokenizers`' own trainer: nothing downloaded) or as UTF-8 bytes. The real CLI on real files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import batchctl
+from tests.conftest import run_cli
+
+tokenizers = pytest.importorskip("tokenizers")
+
+WORDS = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "far", "über", "naïve", "日本"]
+TEXT = ["--preprocess", "text", "--batch-size", "4", "--workers", "2"]
+
+
+def corpus(folder: Path, count: int) -> dict[str, str]:
+    rng = np.random.default_rng(0)
+    folder.mkdir(parents=True, exist_ok=True)
+    documents = {}
+    for i in range(count):
+        text = " ".join(rng.choice(WORDS, size=int(rng.integers(3, 40))))
+        (folder / f"d{i:02d}.txt").write_text(text, encoding="utf-8")
+        documents[f"d{i:02d}.txt"] = text
+    return documents
+
+
+def train_bpe(path: Path, documents: list[str], vocab: int = 300) -> tokenizers.Tokenizer:
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["[UNK]", "<|endoftext|>"])
+    tokenizer.train_from_iterator(documents, trainer)
+    tokenizer.save(str(path))
+    return tokenizer
+
+
+def tokens_of(out: Path) -> dict[str, list[int]]:
+    found = {}
+    for batch in batchctl.open(out):
+        for source, row in zip(batch["source"], batch["tokens"], strict=True):
+            found[str(source)] = np.asarray(row).tolist()
+    return found
+
+
+def test_documents_become_the_tokenizers_ids_with_its_end_of_text_and_another_tokenizer_rebuilds(
+    tmp_path: Path,
+) -> None:
+    documents = corpus(tmp_path / "docs", 12)
+    tokenizer = train_bpe(tmp_path / "tok.json", list(documents.values()))
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    out, report = tmp_path / "o.zarr", tmp_path / "r.json"
+    args = ["build", tmp_path / "docs", "-o", out, *TEXT, "--option", f"tokenizer={tmp_path / 'tok.json'}"]
+    result = run_cli(*args, "--report", report)
+    assert result.returncode == 0, result.stderr
+    want = {name: [*tokenizer.encode(text, add_special_tokens=False).ids, eos] for name, text in documents.items()}
+    assert tokens_of(out) == want
+    ds = batchctl.open(out)
+    assert ds.fields["tokens"][1] == np.dtype("uint16")  # 300 ids fit
+    assert "up to date" in run_cli(*args).stderr
+    train_bpe(
+        tmp_path / "tok.json", list(documents.values()), vocab=40
+    )  # the same path, another tokenizer (fewer merges)
+    again = run_cli(*args, "--report", report)
+    assert again.returncode == 0, again.stderr
+    assert json.loads(report.read_text())["processed"] == 12  # all of it, with the new ids
+    retrained = tokenizers.Tokenizer.from_file(str(tmp_path / "tok.json"))
+    ids = retrained.encode(documents["d03.txt"], add_special_tokens=False).ids
+    assert tokens_of(out)["d03.txt"] == [*ids, eos] and ids != want["d03.txt"][:-1]
+    no_eos = tmp_path / "n.zarr"
+    assert run_cli(*args[:3], no_eos, *args[4:], "--option", "eos=none").returncode == 0
+    assert tokens_of(no_eos)["d03.txt"] == ids
+
+
+def test_without_a_tokenizer_the_tokens_are_utf8_bytes_and_bad_documents_are_one_skip_each(tmp_path: Path) -> None:
+    documents = corpus(tmp_path / "docs", 5)
+    (tmp_path / "docs" / "empty.txt").write_bytes(b"")
+    (tmp_path / "docs" / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    out, report = tmp_path / "o.zarr", tmp_path / "r.json"
+    result = run_cli("build", tmp_path / "docs", "-o", out, *TEXT, "--report", report)
+    assert result.returncode == 0, result.stderr
+    assert tokens_of(out) == {name: list(text.encode()) for name, text in documents.items()}
+    errors = {e["source"]: e["error"] for e in json.loads(report.read_text())["errors"]}
+    assert errors == {
+        "empty.txt": "ValueError: an empty document",
+        "latin1.txt": "ValueError: not UTF-8 text (byte 3); save it as UTF-8",
+    }
+
+
+@pytest.mark.parametrize(
+    ("option", "said"),
+    [
+        ("tokenizer=missing.json", "--option tokenizer=missing.json: No such file or directory"),
+        ("tokenizer=BROKEN", "is not a tokenizer.json tokenizers can load"),
+        ("eos=end", "Expected --option eos=auto, none or a token id"),
+        ("eos=300", "without a tokenizer the ids are bytes"),
+    ],
+)
+def test_a_missing_or_broken_tokenizer_or_a_bad_eos_is_one_usage_error(tmp_path: Path, option: str, said: str) -> None:
+    corpus(tmp_path / "docs", 2)
+    (tmp_path / "broken.json").write_text('{"not": "a tokenizer"}')
+    option = option.replace("BROKEN", str(tmp_path / "broken.json"))
+    result = run_cli("build", tmp_path / "docs", "-o", tmp_path / "o.zarr", *TEXT, "--option", option)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and said in lines[0], result.stderr
