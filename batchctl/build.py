@@ -299,7 +299,8 @@ class _Builder:
         else:
             folder = self.paths.workdir / "rows"
         lines = {line for task in tasks if (line := tables.content_line(task.item.relpath, table)) is not None}
-        tables.write_contents(Path(self.root) / table, column, lines, folder)
+        write = tables.write_texts if self._text_column else tables.write_contents
+        write(Path(self.root) / table, column, lines, folder)
         return SourceRoot(self.root, self.options.storage_options, str(folder), table)
 
     def _run_local(self, discovery: Discovery, start: Start, tasks: list[Task], source: SourceRoot) -> Outcome:
@@ -426,12 +427,19 @@ class _Builder:
             self.output,
             self.options.label,
             self.options.path_column,
+            self._text_column,
         )
         watch_reads(discovery, self.source, self.preprocessor.reads)
         self.report.ignored, self.report.ignored_paths = discovery.ignored, discovery.ignored_paths
         if discovery.texts:  # a wider text field is another layout: the spec says its width
             self.spec = {**self.spec, "text": dict(sorted(discovery.texts.items()))}
         return discovery
+
+    @property
+    def _text_column(self) -> str | None:
+        """The text preprocessor's column of documents in a table SOURCE (`--option column=text`)."""
+        column = self.pp_options.get("column") if self.preprocessor.name == "text" else None
+        return str(column) if column else None
 
     @property
     def _takes_paths(self) -> bool:

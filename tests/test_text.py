@@ -109,3 +109,51 @@ def test_a_missing_or_broken_tokenizer_or_a_bad_eos_is_one_usage_error(tmp_path:
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and said in lines[0], result.stderr
+
+
+@pytest.mark.parametrize("form", ["jsonl", "csv", "parquet"])
+def test_a_table_of_documents_one_a_row_and_an_edited_row_rebuilds_alone(tmp_path: Path, form: str) -> None:
+    """An LLM corpus as a table (`text` and other columns, no files): `--option column=text`;
+    source is TABLE:LINE, the other columns fields; a row without text is one skip."""
+    documents = list(corpus(tmp_path / "unused", 8).values())
+    documents[2] = "123"  # (a CSV cell that reads as a number: a document all the same)
+    rows = [{"id": i, "text": text} for i, text in enumerate(documents)] + [{"id": 99, "text": ""}]
+    table = tmp_path / f"corpus.{form}"
+
+    def write(rows: list[dict[str, object]]) -> None:
+        if form == "jsonl":
+            table.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        elif form == "csv":
+            table.write_text("id,text\n" + "".join(f"{row['id']},{row['text']}\n" for row in rows))
+        else:
+            pa = pytest.importorskip("pyarrow")
+            import pyarrow.parquet as pq
+
+            pq.write_table(pa.Table.from_pylist(rows), table, row_group_size=3)
+
+    write(rows)
+    out, report = tmp_path / "o.zarr", tmp_path / "r.json"
+    args = ["build", table, "-o", out, *TEXT, "--option", "column=text", "--report", report]
+    result = run_cli(*args)
+    assert result.returncode == 0, result.stderr
+    found = {}
+    for batch in batchctl.open(out):
+        for source, ident, row in zip(batch["source"], batch["id"], batch["tokens"], strict=True):
+            found[str(source)] = (int(ident), bytes(np.asarray(row, np.uint8)).decode())
+    first = 2 if form == "csv" else 1  # (a CSV's line 1 is its header; a Parquet's rows count from 1)
+    assert found == {f"corpus.{form}:{first + i}": (i, text) for i, text in enumerate(documents)}
+    assert [e["error"] for e in json.loads(report.read_text())["errors"]] == ["no text in its 'text' column"]
+    rows[5] = {"id": 5, "text": "an edited document"}
+    write(rows)
+    edited = run_cli(*args)
+    assert edited.returncode == 0, edited.stderr
+    data = json.loads(report.read_text())
+    assert data["processed"] == 1 and len(data["changed"]["paths"]) == 1
+    texts = {bytes(np.asarray(row, np.uint8)).decode() for batch in batchctl.open(out) for row in batch["tokens"]}
+    assert "an edited document" in texts and documents[5] not in texts
+
+
+def test_a_column_of_documents_in_a_folder_is_one_usage_error(tmp_path: Path) -> None:
+    corpus(tmp_path / "docs", 2)
+    result = run_cli("build", tmp_path / "docs", "-o", tmp_path / "o.zarr", *TEXT, "--option", "column=text")
+    assert result.returncode == 2 and "names a column of documents in a table SOURCE" in result.stderr

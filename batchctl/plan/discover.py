@@ -177,6 +177,7 @@ def discover(
     output: str | None = None,
     label: str | None = None,
     path_column: str = tables.FILE_NAME,
+    text_column: str | None = None,
 ) -> Discovery:
     """Files `accepts` takes become work items; the rest are counted as ignored, and so are
     FIFOs, sockets and devices (reading one could block for ever).
@@ -189,16 +190,20 @@ def discover(
     Metadata tables (`batchctl.plan.tables`) are no inputs: once there is one, the files they
     name are the inputs, with their rows' values, and `label` names the column of their classes.
     """
+    if text_column is not None and not (tables.is_url_table(source) or tables.is_table_source(source)):
+        raise UsageError(
+            f"--option column={text_column} names a column of documents in a table SOURCE; {source} is none"
+        )
     skip = _inside(output, source)
     if tables.is_url_table(source):
-        return _discover_url_table(source, accepts, seed, storage_options, label, path_column)
+        return _discover_url_table(source, accepts, seed, storage_options, label, path_column, text_column)
     if storage.is_url(source):
         if label is not None:
             raise UsageError("--label reads metadata tables in a local SOURCE folder; a URL SOURCE has none yet")
         return _discover_url(source, accepts, seed, storage_options, skip)
     check_source(source)
     if tables.is_table_source(source):
-        return _discover_table(Path(source), accepts, seed, label, path_column)
+        return _discover_table(Path(source), accepts, seed, label, path_column, text_column)
     found: list[tuple[str, int, int]] = []
     ignored: list[str] = []
     unreadable: list[tuple[str, str]] = []
@@ -226,7 +231,12 @@ def discover(
 
 
 def _discover_table(
-    table: Path, accepts: Callable[[str], bool], seed: int | None, label: str | None, path_column: str
+    table: Path,
+    accepts: Callable[[str], bool],
+    seed: int | None,
+    label: str | None,
+    path_column: str,
+    text_column: str | None = None,
 ) -> Discovery:
     """SOURCE is a table: its rows name the files (relative to its folder), one sample source
     each, with their values; a named file the preprocessor does not take is ignored."""
@@ -239,7 +249,7 @@ def _discover_table(
             return None
         return (found.st_size, found.st_mtime_ns) if S_ISREG(found.st_mode) else None
 
-    return _table_rows(table, table.name, stamp, accepts, seed, label, path_column)
+    return _table_rows(table, table.name, stamp, accepts, seed, label, path_column, text_column)
 
 
 def _discover_url_table(
@@ -249,6 +259,7 @@ def _discover_url_table(
     storage_options: Mapping[str, Any] | None,
     label: str | None,
     path_column: str,
+    text_column: str | None = None,
 ) -> Discovery:
     """A table at a URL (`s3://bucket/train.csv`): fetched to this machine and read there; the
     objects its rows name, relative to the table's prefix, listed once for their stamps (an
@@ -263,7 +274,7 @@ def _discover_url_table(
         except OSError as exc:
             raise UsageError(f"SOURCE {source} cannot be fetched: {exc.strerror or exc}") from None
         stamp = (lambda rel: (0, 0)) if http else listing.get
-        discovery = _table_rows(copy, name, stamp, accepts, seed, label, path_column)
+        discovery = _table_rows(copy, name, stamp, accepts, seed, label, path_column, text_column)
     if discovery.content is not None:
         raise UsageError(
             f"SOURCE {source} holds its files; a Parquet of files is read on this machine: download it first"
@@ -295,6 +306,7 @@ def _table_rows(
     seed: int | None,
     label: str | None,
     path_column: str,
+    text_column: str | None = None,
 ) -> Discovery:
     """The inputs a table SOURCE names, each file's `stamp` (size, mtime) or None: not there."""
     stamps: dict[str, tuple[int, int]] = {}
@@ -307,7 +319,7 @@ def _table_rows(
             stamps[relpath] = found
         return found is not None
 
-    read = tables.read_tables(table.parent, [name], present, label, path_column, urls=True)
+    read = tables.read_tables(table.parent, [name], present, label, path_column, urls=True, text_column=text_column)
     found, ignored = [], []
     for relpath in read.values:
         size, mtime_ns = stamps.get(relpath, (0, 0))  # (none for a URL: its stamp is its row's, (0, 0) here)

@@ -140,16 +140,28 @@ def read_tables(
     label: str | None,
     path_column: str = FILE_NAME,
     urls: bool = False,
+    text_column: str | None = None,
 ) -> Tables:
     """The tables at these paths (relative to `root`), over the files there (`present`); with
-    `urls`, a row may name a URL instead (a table SOURCE: the workers fetch it)."""
+    `urls`, a row may name a URL instead (a table SOURCE: the workers fetch it). With
+    `text_column`, each row is a document, that column's text, held as the row's file."""
     rows: list[_Row] = []
     found = Tables()
     for table in sorted(tables):
         folder = table.rsplit("/", 1)[0] + "/" if "/" in table else ""
-        for line, cells in _rows(root / table, table, path_column, found, urls):
+        for line, cells in _rows(root / table, table, text_column or path_column, found, urls, text_column):
             if isinstance(cells, str):
                 found.bad_rows.append((f"{table}:{line}", cells))
+                continue
+            if text_column is not None:
+                document = cells.pop(text_column, None)
+                if not isinstance(document, str) or not document:
+                    found.bad_rows.append((f"{table}:{line}", f"no text in its {text_column!r} column"))
+                    continue
+                data = document.encode()
+                rows.append(_Row(table, line, f"{table}:{line}", _leaves(cells)))
+                found.contents[rows[-1].relpath] = Content(len(data), hashlib.sha256(data).hexdigest(), None)
+                found.content_column = text_column
                 continue
             name = cells.pop(path_column, None)
             if isinstance(name, Content):
@@ -198,12 +210,13 @@ def _relpath(folder: str, name: Any, urls: bool) -> tuple[str, str]:
 
 
 def _rows(
-    path: Path, table: str, path_column: str, found: Tables, urls: bool
+    path: Path, table: str, path_column: str, found: Tables, urls: bool, text_column: str | None = None
 ) -> Iterable[tuple[int, dict[str, Any] | str]]:
-    """(line, cells) of a table, or (line, why it cannot be read) for a malformed line."""
+    """(line, cells) of a table, or (line, why it cannot be read) for a malformed line (a CSV's
+    `text_column` cells kept as they are written, never read as numbers)."""
     try:
         if table.endswith(".parquet"):  # (read a row group at a time: any size)
-            yield from _parquet_rows(path, table, path_column, found, urls)
+            yield from _parquet_rows(path, table, path_column, found, urls, text_column)
             return
         if path.stat().st_size > MAX_TABLE_BYTES:
             raise UsageError(f"{table} is larger than {MAX_TABLE_BYTES >> 20} MiB; split it")
@@ -243,7 +256,10 @@ def _rows(
         if len(values) != len(header):
             yield number, f"{len(values)} cells, the header names {len(header)}"
             continue
-        yield number, {name: _cell(value) for name, value in zip(header, values, strict=True)}
+        yield (
+            number,
+            {name: value if name == text_column else _cell(value) for name, value in zip(header, values, strict=True)},
+        )
 
 
 def _parquet_file(path: Path, table: str) -> Any:
@@ -260,7 +276,7 @@ def _parquet_file(path: Path, table: str) -> Any:
 
 
 def _parquet_rows(
-    path: Path, table: str, path_column: str, found: Tables, urls: bool
+    path: Path, table: str, path_column: str, found: Tables, urls: bool, text_column: str | None = None
 ) -> Iterable[tuple[int, dict[str, Any] | str]]:
     """A Parquet table's rows, a few thousand at a time (never the whole table). In a table
     SOURCE (`urls`), a column of files (`_content_column`) gives each row's `path_column` cell
@@ -268,7 +284,7 @@ def _parquet_rows(
     bytes are left out, and said so."""
     parquet = _parquet_file(path, table)
     schema = parquet.schema_arrow
-    content = _content_column(schema, path_column) if urls else None
+    content = _content_column(schema, path_column) if urls and text_column is None else None
     if content is None and path_column not in schema.names:
         raise UsageError(f"{table} has no {path_column} column (nor a column of the files' bytes)")
     files = [f.name for f in schema if _holds_files(f.type) and f.name != content]
@@ -291,7 +307,8 @@ def _parquet_rows(
 
     for rows in _by_row_group(path, table, parquet, rows_of):
         yield from rows
-    found.content_column = content
+    if content is not None:
+        found.content_column = content
 
 
 def _by_row_group(
@@ -346,6 +363,16 @@ def _files_of(column: Any) -> list[tuple[Any, str | None]]:
         if "path" in fields and pa.types.is_string(fields["path"].type):
             names = [name or None for name in fields["path"].to_pylist()]
     return [(cell.as_buffer(), name) for cell, name in zip(column, names, strict=True)]
+
+
+def write_texts(table: Path, column: str, lines: Collection[int], folder: Path) -> None:
+    """The documents of `column` in these rows, written to `folder` as UTF-8 named by line (the
+    text preprocessor takes paths)."""
+    wanted = set(lines)
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for line, cells in _rows(table, table.name, column, Tables(), True, column):
+        if line in wanted and isinstance(cells, dict) and isinstance(text := cells.get(column), str):
+            (folder / str(line)).write_bytes(text.encode())
 
 
 def write_contents(table: Path, column: str, lines: Collection[int], folder: Path) -> None:

@@ -1,10 +1,10 @@
-"""`.txt` documents as token ids: each file one document, one sample, its ragged field `tokens`
-(rows of `(n,)`). Ids come from a local Hugging Face `tokenizer.json` (`--option
-tokenizer=PATH`, through the `tokenizers` package: nothing is downloaded), or are the UTF-8
-bytes without one. The end-of-text id is appended when the tokenizer has one (`eos=auto`), or
-the one given (`eos=ID`), or none (`eos=none`). uint16 when the vocabulary fits, else uint32.
-The tokenizer file's SHA-256 is one of the options a dataset records: another tokenizer is
-another dataset."""
+"""`.txt` documents as token ids: each file (or, `column=NAME`, each row of a table SOURCE's
+column of text) one document, one sample, its ragged field `tokens` (rows of `(n,)`). Ids come
+from a local Hugging Face `tokenizer.json` (`--option tokenizer=PATH`, through the `tokenizers`
+package: nothing is downloaded), or are the UTF-8 bytes without one. The end-of-text id is
+appended when the tokenizer has one (`eos=auto`), or the one given (`eos=ID`), or none
+(`eos=none`). uint16 when the vocabulary fits, else uint32. The tokenizer file's SHA-256 is one
+of the options a dataset records: another tokenizer is another dataset."""
 
 from __future__ import annotations
 
@@ -25,9 +25,10 @@ UINT16_IDS = 2**16
 
 
 def preprocess_text(
-    path: Path, tokenizer: str = "", eos: str = "auto", tokenizer_sha256: str = ""
+    path: Path, tokenizer: str = "", eos: str = "auto", tokenizer_sha256: str = "", column: str = ""
 ) -> dict[str, np.ndarray]:
-    """One document's token ids (the end-of-text id last, where there is one)."""
+    """One document's token ids (the end-of-text id last, where there is one). (`column`, a table
+    SOURCE's column of documents, is the build's: each row's document arrives as a file.)"""
     raw = Path(path).read_bytes()
     try:
         text = raw.decode("utf-8")
@@ -118,7 +119,7 @@ PREPROCESSOR = Preprocessor(
     code="text/1",  # raise when the output for the same file and options changes
     fn=preprocess_text,
     extensions=(".txt",),
-    defaults={"tokenizer": "", "eos": "auto", "tokenizer_sha256": ""},
+    defaults={"tokenizer": "", "eos": "auto", "tokenizer_sha256": "", "column": ""},
     check=check_options,
     relevant=relevant,
     describe=describe,
