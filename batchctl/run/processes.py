@@ -56,11 +56,11 @@ STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 PR_SET_PDEATHSIG = 1
 PARENT_DIED = signal.SIGUSR2  # the fork server's death signal: it removes the temporary folder, then exits
 TEMP_DIR_ENV = "BATCHCTL_FORKSERVER_TEMP"  # the folder, for the fork server as it starts (and only it)
-# A build runs one process per core already: a BLAS or OpenMP thread pool in each would only
-# oversubscribe the cores; and OpenBLAS's, started by `import numpy`, spins ~40 ms of CPU in each
-# process that imports it (a 10-image build: 0.28 s with it, 0.24 s without). One thread each,
-# unless the user set a number.
-LIBRARY_THREADS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+# A build runs one process per core already: a BLAS, OpenMP or Rayon (tokenizers') thread pool
+# in each would only oversubscribe the cores; and OpenBLAS's, started by `import numpy`, spins
+# ~40 ms of CPU in each process that imports it (a 10-image build: 0.28 s with it, 0.24 s
+# without). One thread each, unless the user set a number.
+LIBRARY_THREADS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "RAYON_NUM_THREADS")
 # The exit code of a child that found itself re-running the caller's script up to its `build()`
 # call (`leave_if_reimporting_main`); the parent turns it into a one-line error.
 REIMPORTED_MAIN_EXIT = 86
