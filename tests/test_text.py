@@ -157,3 +157,79 @@ def test_a_column_of_documents_in_a_folder_is_one_usage_error(tmp_path: Path) ->
     corpus(tmp_path / "docs", 2)
     result = run_cli("build", tmp_path / "docs", "-o", tmp_path / "o.zarr", *TEXT, "--option", "column=text")
     assert result.returncode == 2 and "names a column of documents in a table SOURCE" in result.stderr
+
+
+@pytest.fixture(scope="module")
+def byte_corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, bytes]]:
+    """40 documents of 5-300 bytes, built as UTF-8 byte tokens in batches of 4."""
+    root = tmp_path_factory.mktemp("packed")
+    rng = np.random.default_rng(7)
+    documents = {}
+    for i in range(40):
+        data = bytes(rng.integers(97, 123, size=int(rng.integers(5, 300))).astype(np.uint8))
+        (root / "docs").mkdir(exist_ok=True)
+        (root / "docs" / f"d{i:02d}.txt").write_bytes(data)
+        documents[f"d{i:02d}.txt"] = data
+    out = root / "docs.zarr"
+    assert run_cli("build", root / "docs", "-o", out, *TEXT, "--sorted").returncode == 0
+    return out, documents
+
+
+def packed_epoch(out: Path, **options: object) -> list[dict[str, np.ndarray]]:
+    loader = batchctl.open(out).packed(rows=True, **options)  # type: ignore[arg-type]
+    return list(loader)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_packed_blocks_give_each_token_once_with_its_place_and_under_a_block_left_out_per_rank(
+    byte_corpus: tuple[Path, dict[str, bytes]], world: int
+) -> None:
+    out, documents = byte_corpus
+    ds = batchctl.open(out)
+    sources = [str(s) for batch in ds for s in batch["source"]]  # row -> document (a --sorted build)
+    total = sum(len(d) for d in documents.values())
+    seen: set[tuple[int, int]] = set()
+    steps = set()
+    for rank in range(world):
+        batches = packed_epoch(out, block=16, batch_size=4, seed=3, rank=rank, world_size=world, mix=2)
+        steps.add(len(batches))
+        for batch in batches:
+            assert batch["tokens"].shape[1] == 16 and batch["tokens"].dtype == np.uint16
+            for tokens, positions, rows in zip(batch["tokens"], batch["positions"], batch["rows"], strict=True):
+                for token, position, row in zip(tokens, positions, rows, strict=True):
+                    assert documents[sources[row]][position] == token  # the token is its document's byte there
+                    assert (row, position) not in seen  # no token twice in an epoch, over all ranks
+                    seen.add((row, position))
+    assert len(steps) == 1  # equal steps on every rank
+    assert total - len(seen) < world * 16  # under one block left out per rank
+    starts = [b["positions"] for b in packed_epoch(out, block=16, batch_size=4, seed=3)]
+    assert any((p == 0).any() for p in starts)  # documents begin inside blocks: positions start again
+
+
+def test_packed_blocks_change_every_epoch_and_resume_exactly(byte_corpus: tuple[Path, dict[str, bytes]]) -> None:
+    out, _ = byte_corpus
+    ds = batchctl.open(out)
+    loader = ds.packed(block=16, batch_size=4, seed=1, mix=2)
+    first, second = [b["tokens"].tolist() for b in loader], [b["tokens"].tolist() for b in loader]
+    assert first != second and len(first) == len(second)
+    again = ds.packed(block=16, batch_size=4, seed=1, mix=2)
+    assert [b["tokens"].tolist() for b in again] == first  # the same seed, the same epoch
+    whole = first + second
+    for stop in (1, 5, len(first) - 1, len(first) + 3):
+        loader = ds.packed(block=16, batch_size=4, seed=1, mix=2)
+        got = []
+        while len(got) < stop:
+            for batch in loader:
+                got.append(batch["tokens"].tolist())
+                if len(got) == stop:
+                    break
+        state = json.loads(json.dumps(loader.state_dict()))
+        resumed = ds.packed(block=16, batch_size=4, seed=1, mix=2)
+        resumed.load_state_dict(state)
+        while len(got) < len(whole):
+            got += [b["tokens"].tolist() for b in resumed]
+        assert got == whole, stop
+    with pytest.raises(batchctl.ResumeMismatchError, match="resume on the same number of ranks"):
+        ds.packed(block=16, batch_size=4, seed=1, mix=2, world_size=2).load_state_dict(state)
+    with pytest.raises(batchctl.UsageError, match="no ragged field 'label'"):
+        ds.packed(block=16, batch_size=4, field="label")

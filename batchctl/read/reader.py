@@ -11,7 +11,7 @@ import errno
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -26,6 +26,9 @@ from batchctl.store.metadata import values_array
 from batchctl.store.remote import RETRY_FOR_S, RemoteChunkReader, RemoteStore, RemoteValuesReader
 
 __all__ = ["Batch", "Dataset", "open"]
+
+if TYPE_CHECKING:
+    from batchctl.read.packing import PackedLoader
 
 
 class Dataset:
@@ -259,6 +262,26 @@ class Dataset:
             raise IndexError(f"sample {index} out of range: the dataset has {self.num_samples} samples")
         batch, row = divmod(index, self.batch_size)
         return {name: column[row] for name, column in self[batch].items()}
+
+    def packed(
+        self,
+        block: int,
+        batch_size: int,
+        seed: int = 0,
+        shuffle: bool = True,
+        mix: int = 16,
+        rank: int = 0,
+        world_size: int = 1,
+        field: str = "tokens",
+        rows: bool = False,
+    ) -> PackedLoader:
+        """Batches of `batch_size` blocks of `block` tokens of a ragged token field (`--preprocess
+        text`'s `tokens`), cut from the documents laid end to end in an order that changes every
+        epoch: `tokens` and `positions` (each token's place in its document), `rows` (its
+        document's row) with `rows=True`. See `read/packing.py`."""
+        from batchctl.read.packing import PackedLoader
+
+        return PackedLoader(self, block, batch_size, seed, shuffle, mix, rank, world_size, field, rows)
 
     def loader(
         self,
