@@ -599,6 +599,7 @@ SECTIONS = [
     "encoded",
     "scaling",
     "tables",
+    "text",
 ]
 
 
@@ -609,6 +610,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=400_000)
     parser.add_argument("--audio-seconds", type=int, default=3600)
     parser.add_argument("--manifest-rows", type=int, default=100_000)
+    parser.add_argument("--documents", type=int, default=3000)
     parser.add_argument(
         "--only",
         choices=SECTIONS,
@@ -691,6 +693,11 @@ def main() -> None:
             bench_tables(
                 root, photos, args.images, args.manifest_rows, results, command, run_measured, litdata_tables, CORES
             )
+        if "text" in todo:
+            from text import bench_text
+
+            command = lambda src, out, *extra: batchctl_cmd(src, out, CORES, *extra)  # noqa: E731
+            bench_text(root, args.documents, results, command, run_measured, CORES)
         if "scaling" in todo:
             from scaling import bench_scaling
 

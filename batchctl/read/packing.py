@@ -2,14 +2,15 @@
 preprocessor's `tokens`), cut from the documents laid end to end in an order that changes every
 epoch, as nanoGPT's `train.bin` or LitData's `TokensLoader` are read.
 
-The epoch's stream: the stored batches in a seeded order, each one's documents in a seeded
-order, end to end. Each consumer (rank) takes one contiguous stretch of `floor(T / world)` of its
-T tokens, so each stored batch is read by at most two consumers, and cuts it into blocks of
-`block` tokens: what is left out is less than one block per consumer, and every consumer has the
-same number of steps. Blocks are shuffled within groups of `mix` output batches (their stored
-batches are read once per group). Each batch gives `tokens` (B, block) and `positions` (B,
-block), each token's place in its document (0 where one starts), so attention can be kept within
-documents; `rows` (each token's document, as its dataset row) on request.
+The epoch's stream: the stored batches in a seeded order, each one's documents as stored (a
+build dispatches its files in a seeded order already), end to end. Each consumer (rank) takes
+one contiguous stretch of `floor(T / world)` of its T tokens, so each stored batch is read by at
+most two consumers, and cuts it into blocks of `block` tokens: what is left out is less than one
+block per consumer, and every consumer has the same number of steps. Blocks are shuffled within
+groups of `mix` output batches (their stored batches are read once per group). Each batch gives
+`tokens` (B, block) and `positions` (B, block), each token's place in its document (0 where one
+starts), so attention can be kept within documents; `rows` (each token's document, as its
+dataset row) on request.
 """
 
 from __future__ import annotations
@@ -75,10 +76,6 @@ class PackedLoader:
         count = len(self.lengths)
         return self._rng(epoch).permutation(count) if self.options["shuffle"] else np.arange(count)
 
-    def _doc_order(self, epoch: int, stored: int) -> np.ndarray:
-        count = len(self.lengths[stored])
-        return self._rng(epoch, 1, stored).permutation(count) if self.options["shuffle"] else np.arange(count)
-
     def _stretch(self, epoch: int) -> tuple[np.ndarray, np.ndarray, int, int]:
         """The epoch's stored-batch order, where each starts in the stream, and this rank's
         tokens [first, first + blocks x block)."""
@@ -115,7 +112,8 @@ class PackedLoader:
                 if self.options["shuffle"]
                 else np.arange(hi - lo)
             )
-            tokens, positions, rows = (a.reshape(shape)[picked] for a in (tokens, positions, rows))
+            tokens, positions = tokens.reshape(shape)[picked], positions.reshape(shape)[picked]
+            rows = rows.reshape(shape)[picked] if self.with_rows else rows
             for step in range(self.step - group * mix, -(-(hi - lo) // size)):
                 part = slice(step * size, (step + 1) * size)
                 batch = {"tokens": tokens[part], "positions": positions[part]}
@@ -134,18 +132,22 @@ class PackedLoader:
         pieces: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         for place in range(first, last):
             stored = int(order[place])
-            documents = self.dataset.read_batch(stored, fields=[self.field])[self.field]
-            picked = self._doc_order(epoch, stored)
-            lengths = self.lengths[stored][picked]
-            tokens = (
-                np.concatenate([np.asarray(documents[i]).reshape(-1) for i in picked]) if len(picked) else np.empty(0)
-            )
-            begins = np.repeat(np.cumsum(lengths) - lengths, lengths)
-            positions = np.arange(len(tokens), dtype=np.int64) - begins
-            rows = np.repeat(stored * self.dataset.batch_size + picked.astype(np.int64), lengths)
-            cut = slice(max(lo - int(starts[place]), 0), min(hi, int(starts[place + 1])) - int(starts[place]))
-            pieces.append((tokens[cut], positions[cut], rows[cut]))
-        return tuple(np.concatenate([piece[k] for piece in pieces]) for k in range(3))  # type: ignore[return-value]
+            offsets, tokens = self.dataset.ragged_batch(self.field, stored)  # (its rows lie end to end from 0)
+            begin = max(lo - int(starts[place]), 0)
+            end = min(hi, int(starts[place + 1])) - int(starts[place])
+            # the documents [first_doc, last_doc) that hold tokens [begin, end), and how many of them each
+            first_doc = int(np.searchsorted(offsets[:, 1], begin, side="right"))
+            last_doc = int(np.searchsorted(offsets[:, 0], end, side="left"))
+            starts_of = offsets[first_doc:last_doc, 0]
+            taken = np.minimum(offsets[first_doc:last_doc, 1], end) - np.maximum(starts_of, begin)
+            positions = np.arange(begin, end, dtype=np.int64) - np.repeat(starts_of, taken)
+            rows = np.empty(0, np.int64)
+            if self.with_rows:
+                documents = np.arange(first_doc, last_doc, dtype=np.int64) + stored * self.dataset.batch_size
+                rows = np.repeat(documents, taken)
+            pieces.append((tokens[begin:end], positions, rows))
+        joined = tuple(np.concatenate([piece[k] for piece in pieces]) for k in range(3))
+        return joined  # type: ignore[return-value]  # (rows: empty unless asked for)
 
     # resuming ------------------------------------------------------------------------------------
 

@@ -162,6 +162,17 @@ class Dataset:
     def __getitem__(self, index: int) -> Batch:
         return self.read_batch(index)
 
+    def ragged_batch(self, name: str, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """Stored batch `index` of ragged field `name` as it is stored: its rows' `[start, stop)`
+        and their values end to end (no array per row: what packs many small rows together)."""
+        offsets = np.asarray(
+            self.read_batch(index, fields=[metadata.offsets_array(name)])[metadata.offsets_array(name)]
+        )
+        where = f"{self.path}: {name} batch {index}"
+        values = chunkread.batch_values(self._values[name], self.arrays[values_array(name)], index, offsets, where)
+        end = int(offsets[:, 1].max()) if len(offsets) else 0
+        return offsets, values[:end]
+
     def read_field(self, name: str, index: int) -> np.ndarray:
         """Batch `index` of one field alone."""
         return self.read_batch(index, fields=[name])[name]
