@@ -221,3 +221,11 @@ def test_what_python_inputs_cannot_take_is_one_usage_error(tmp_path: Path, call:
     assert result.returncode != 0
     assert said in result.stderr.strip().splitlines()[-1], result.stderr
     assert not (tmp_path / "o.zarr").exists()
+
+
+def test_a_dict_of_inputs_is_one_usage_error(tmp_path: Path) -> None:
+    script = tmp_path / "bad.py"
+    call = "batchctl.build({'a': {'value': 1}}, 'o.zarr', preprocess=scaled)"
+    script.write_text(SCRIPT.split("if __name__")[0] + f"if __name__ == '__main__':\n    {call}\n")
+    result = subprocess.run([sys.executable, script], capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert result.returncode != 0 and "not a dict: give it the dict's .values() or .items()" in result.stderr

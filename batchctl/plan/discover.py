@@ -275,9 +275,10 @@ def _discover_url_table(
             raise UsageError(f"SOURCE {source} cannot be fetched: {exc.strerror or exc}") from None
         stamp = (lambda rel: (0, 0)) if http else listing.get
         discovery = _table_rows(copy, name, stamp, accepts, seed, label, path_column, text_column)
-    if discovery.content is not None:
+    if discovery.content is not None:  # (their rows are written out again from the table, read where it lies)
+        held = "documents" if text_column else "files"
         raise UsageError(
-            f"SOURCE {source} holds its files; a Parquet of files is read on this machine: download it first"
+            f"SOURCE {source} holds its rows' {held}, which a build reads from a local copy: download it first"
         )
     return discovery
 

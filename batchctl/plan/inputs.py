@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,7 +39,8 @@ class PythonInputs:
     def map_style(self) -> bool:
         """A dataset the workers index (not a list, whose items are the inputs themselves)."""
         kind = type(self.given)
-        return not isinstance(self.given, (list, tuple)) and hasattr(kind, "__len__") and hasattr(kind, "__getitem__")
+        plain = isinstance(self.given, (list, tuple, Mapping))
+        return not plain and hasattr(kind, "__len__") and hasattr(kind, "__getitem__")
 
 
 def is_python_inputs(source: object) -> bool:
@@ -104,6 +105,8 @@ def spill_inputs(inputs: PythonInputs, folder: Path) -> tuple[list[WorkItem], di
 
 
 def _iterate(inputs: PythonInputs) -> Iterator[Any]:
+    if isinstance(inputs.given, Mapping):  # (its keys? its values? its items?: the user says which)
+        raise UsageError("build() takes an iterable of inputs, not a dict: give it the dict's .values() or .items()")
     try:
         return iter(inputs.given)
     except TypeError:
