@@ -233,3 +233,49 @@ def test_packed_blocks_change_every_epoch_and_resume_exactly(byte_corpus: tuple[
         ds.packed(block=16, batch_size=4, seed=1, mix=2, world_size=2).load_state_dict(state)
     with pytest.raises(batchctl.UsageError, match="no ragged field 'label'"):
         ds.packed(block=16, batch_size=4, field="label")
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["tokens", "padded size"])
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_batches_by_a_token_budget_hold_whole_rows_under_it_each_row_once(
+    byte_corpus: tuple[Path, dict[str, bytes]], padded: bool, world: int
+) -> None:
+    out, documents = byte_corpus
+    ds = batchctl.open(out)
+    sources = [str(s) for batch in ds for s in batch["source"]]
+    seen: list[int] = []
+    steps = set()
+    for rank in range(world):
+        loader = ds.budgeted(max_tokens=600, padded=padded, window=3, seed=2, rank=rank, world_size=world)
+        batches = list(loader)
+        steps.add(len(batches))
+        assert loader.left_out == 0
+        for batch in batches:
+            lengths = batch["tokens_lengths"]
+            assert (lengths.max() * len(lengths) if padded else lengths.sum()) <= 600
+            for tokens, length, row in zip(batch["tokens"], lengths, batch["rows"], strict=True):
+                assert bytes(tokens[:length].astype(np.uint8)) == documents[sources[row]] and not tokens[length:].any()
+            seen += batch["rows"].tolist()
+    assert len(steps) == 1  # equal steps on every rank
+    assert sorted(seen) == list(range(len(documents)))  # every row once an epoch
+
+
+def test_a_token_budget_changes_with_the_epoch_resumes_exactly_and_refuses_a_longer_row(
+    byte_corpus: tuple[Path, dict[str, bytes]],
+) -> None:
+    out, _ = byte_corpus
+    ds = batchctl.open(out)
+    loader = ds.budgeted(max_tokens=600, window=3, seed=5)
+    first, second = [b["rows"].tolist() for b in loader], [b["rows"].tolist() for b in loader]
+    assert first != second and sorted(sum(first, [])) == sorted(sum(second, []))
+    for stop in (1, len(first) // 2, len(first)):
+        loader = ds.budgeted(max_tokens=600, window=3, seed=5)
+        head = [b["rows"].tolist() for _, b in zip(range(stop), loader, strict=False)]
+        resumed = ds.budgeted(max_tokens=600, window=3, seed=5)
+        resumed.load_state_dict(json.loads(json.dumps(loader.state_dict())))
+        assert head + [b["rows"].tolist() for b in resumed] == first, stop
+        assert [b["rows"].tolist() for b in resumed] == second  # and on into the next epoch
+    with pytest.raises(batchctl.UsageError, match=r"has \d+ tokens, more than max_tokens=100: raise the budget"):
+        ds.budgeted(max_tokens=100)
+    cut = ds.budgeted(max_tokens=100, truncate=True)
+    assert all(b["tokens"].shape[1] <= 100 for b in cut)

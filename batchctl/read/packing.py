@@ -15,15 +15,34 @@ dataset row) on request.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator, Mapping
+from typing import Any, Protocol
 
 import numpy as np
 
 from batchctl.errors import ResumeMismatchError, UsageError
 
-if TYPE_CHECKING:
-    from batchctl.read.reader import Dataset
+
+class TokenSource(Protocol):
+    """What packed blocks and token budgets read: `batchctl.Dataset` (reader.py imports this
+    module, not the reverse)."""
+
+    path: str
+    build_id: str
+    batch_size: int
+
+    @property
+    def ragged(self) -> Mapping[str, Any]: ...
+
+    @property
+    def fields(self) -> dict[str, tuple[tuple[int, ...], np.dtype[Any]]]: ...
+
+    def __len__(self) -> int: ...
+
+    def read_batch(self, index: int, into: Any = None, fields: list[str] | None = None) -> dict[str, Any]: ...
+
+    def ragged_batch(self, name: str, index: int) -> tuple[np.ndarray, np.ndarray]: ...
+
 
 STATE_FORMAT = "batchctl-packed/1"
 
@@ -34,7 +53,7 @@ class PackedLoader:
 
     def __init__(
         self,
-        dataset: Dataset,
+        dataset: TokenSource,
         block: int,
         batch_size: int,
         seed: int = 0,
@@ -189,7 +208,7 @@ class PackedLoader:
         self.epoch, self.step = epoch, step
 
 
-def metadata_offsets(dataset: Dataset, field: str) -> list[np.ndarray]:
+def metadata_offsets(dataset: TokenSource, field: str) -> list[np.ndarray]:
     """Each stored batch's `[start, stop)` rows of a ragged field (its offsets array alone)."""
     name = f"{field}.offsets"
     found = []

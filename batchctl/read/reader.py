@@ -11,13 +11,15 @@ import errno
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import numpy as np
 
 from batchctl.errors import BatchctlError, FormatError, UsageError
 from batchctl.read.augment import crop_of
+from batchctl.read.budget import BudgetLoader
 from batchctl.read.loader import Batch, Loader
+from batchctl.read.packing import PackedLoader
 from batchctl.read.views import Subset, loader_of, select_rows, split_rows
 from batchctl.report import size_text
 from batchctl.store import chunkread, codec, format as fmt, metadata, ragged as ragged_rows, storage, zarrmeta
@@ -26,9 +28,6 @@ from batchctl.store.metadata import values_array
 from batchctl.store.remote import RETRY_FOR_S, RemoteChunkReader, RemoteStore, RemoteValuesReader
 
 __all__ = ["Batch", "Dataset", "open"]
-
-if TYPE_CHECKING:
-    from batchctl.read.packing import PackedLoader
 
 
 class Dataset:
@@ -290,9 +289,24 @@ class Dataset:
         text`'s `tokens`), cut from the documents laid end to end in an order that changes every
         epoch: `tokens` and `positions` (each token's place in its document), `rows` (its
         document's row) with `rows=True`. See `read/packing.py`."""
-        from batchctl.read.packing import PackedLoader
-
         return PackedLoader(self, block, batch_size, seed, shuffle, mix, rank, world_size, field, rows)
+
+    def budgeted(
+        self,
+        max_tokens: int,
+        padded: bool = False,
+        window: int = 16,
+        seed: int = 0,
+        shuffle: bool = True,
+        rank: int = 0,
+        world_size: int = 1,
+        field: str = "tokens",
+        truncate: bool = False,
+    ) -> BudgetLoader:
+        """Batches of whole rows of a ragged token field, as many as fit under `max_tokens` (their
+        tokens, or with `padded=True` rows x the longest), rows of like length together: `tokens`
+        zero-padded, `tokens_lengths`, `rows`. See `read/budget.py`."""
+        return BudgetLoader(self, max_tokens, padded, window, seed, shuffle, rank, world_size, field, truncate)
 
     def loader(
         self,
