@@ -15,20 +15,21 @@ split: then the others' last ones are left out and counted, `left_out`). A row l
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import numpy as np
 
-from batchctl.errors import ResumeMismatchError, UsageError
-from batchctl.read.packing import TokenSource, metadata_offsets
+from batchctl.errors import UsageError
+from batchctl.read.tokens import TokenLoader, TokenSource
 
-STATE_FORMAT = "batchctl-budget/1"
 Batch = list[tuple[int, int]]  # (stored batch, row within it) of each row, in order
 
 
-class BudgetLoader:
+class BudgetLoader(TokenLoader):
     """This rank's batches of whole rows under a token budget, epoch after epoch: `tokens`
     zero-padded (B, longest) with `tokens_lengths` (B,), and `rows` (each one's dataset row)."""
+
+    KIND = "batches by a token budget"
+    STATE_FORMAT = "batchctl-budget/1"
 
     def __init__(
         self,
@@ -43,17 +44,9 @@ class BudgetLoader:
         field: str = "tokens",
         truncate: bool = False,
     ) -> None:
-        for name, value in (("max_tokens", max_tokens), ("window", window), ("world_size", world_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise UsageError(f"batches by a token budget need {name} >= 1, got {value!r}")
-        if not 0 <= rank < world_size:
-            raise UsageError(f"rank {rank} is not one of world_size {world_size}'s ranks")
-        if field not in dataset.ragged or dataset.fields[field][0] != (-1,):
-            raise UsageError(f"{dataset.path} has no ragged field {field!r} of rows (n,) to batch by tokens")
-        self.dataset, self.field, self.rank, self.world_size = dataset, field, rank, world_size
-        self.options = {"max_tokens": max_tokens, "padded": padded, "window": window, "seed": seed}
-        self.options.update(shuffle=shuffle, truncate=truncate)
-        self.lengths = [offsets[:, 1] - offsets[:, 0] for offsets in metadata_offsets(dataset, field)]
+        options = {"max_tokens": max_tokens, "padded": padded, "window": window, "seed": seed}
+        options.update(shuffle=shuffle, truncate=truncate)
+        super().__init__(dataset, field, rank, world_size, {"max_tokens": max_tokens, "window": window}, options)
         if len(self.lengths) < world_size:
             raise UsageError(f"{dataset.path} has {len(self.lengths)} stored batches: too few for {world_size} ranks")
         longest = max((int(lengths.max()) for lengths in self.lengths if len(lengths)), default=0)
@@ -65,14 +58,10 @@ class BudgetLoader:
                 f"row {row} ({source}) has {longest} tokens, more than max_tokens={max_tokens}: "
                 "raise the budget, or truncate=True cuts such rows to it"
             )
-        self.epoch, self.step = 0, 0
         self.left_out = 0  # rows of the epoch planned last no rank takes (see `_split_to`)
         self._plans: dict[int, list[list[Batch]]] = {}
 
     # the epoch's plan --------------------------------------------------------------------------
-
-    def _rng(self, epoch: int, *more: int) -> np.random.Generator:
-        return np.random.default_rng([int(self.options["seed"]), epoch, *more])
 
     def _length(self, stored: int, row: int) -> int:
         return min(int(self.lengths[stored][row]), int(self.options["max_tokens"]))
@@ -82,7 +71,7 @@ class BudgetLoader:
         if epoch in self._plans:
             return self._plans[epoch]
         count, window = len(self.lengths), int(self.options["window"])
-        order = self._rng(epoch).permutation(count) if self.options["shuffle"] else np.arange(count)
+        order = self._order(epoch)
         windows = [order[i : i + window] for i in range(0, count, window)]
         ranks: list[list[Batch]] = [[] for _ in range(self.world_size)]
         for number, stored_batches in enumerate(windows):
@@ -119,8 +108,8 @@ class BudgetLoader:
             batches = [batches[i] for i in self._rng(epoch, 2, number).permutation(len(batches))]
         return batches
 
-    def __len__(self) -> int:
-        return max(len(self._plan(self.epoch)[self.rank]) - self.step, 0)
+    def _steps(self, epoch: int) -> int:
+        return len(self._plan(epoch)[self.rank])
 
     # reading -------------------------------------------------------------------------------------
 
@@ -150,45 +139,6 @@ class BudgetLoader:
             tokens[i, : lengths[i]] = values[start : start + lengths[i]]
         found = np.array([s * self.dataset.batch_size + r for s, r in rows], dtype=np.int64)
         return {"tokens": tokens, f"{self.field}_lengths": lengths, "rows": found}
-
-    # resuming ------------------------------------------------------------------------------------
-
-    def set_epoch(self, epoch: int) -> None:
-        if epoch != self.epoch:
-            self.epoch, self.step = int(epoch), 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "format": STATE_FORMAT,
-            "build_id": self.dataset.build_id,
-            "options": {**self.options, "field": self.field},
-            "world_size": self.world_size,
-            "epoch": self.epoch,
-            "step": self.step,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-            raise ResumeMismatchError(f"not a token-budget loader's state (expected format {STATE_FORMAT!r})")
-        if state.get("build_id") != self.dataset.build_id:
-            raise ResumeMismatchError(f"the state is of another version of {self.dataset.path} (it was rebuilt since)")
-        mine = {**self.options, "field": self.field}
-        if state.get("options") != mine:
-            raise ResumeMismatchError(
-                f"the state was saved with the options {state.get('options')}, this loader has {mine}"
-            )
-        if state.get("world_size") != self.world_size:
-            raise ResumeMismatchError(
-                f"the state was saved on {state.get('world_size')} ranks, this is {self.world_size}: batches by a "
-                "token budget resume on the same number of ranks"
-            )
-        epoch, step = state.get("epoch"), state.get("step")
-        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (epoch, step)):
-            raise ResumeMismatchError(f"the state's epoch and step are not ints >= 0: {epoch!r}, {step!r}")
-        assert isinstance(epoch, int) and isinstance(step, int)
-        if step > len(self._plan(epoch)[self.rank]):
-            raise ResumeMismatchError(f"the state's step {step} is past its epoch's steps")
-        self.epoch, self.step = epoch, step
 
 
 def _split_to(batches: list[Batch], steps: int) -> None:

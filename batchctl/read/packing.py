@@ -15,41 +15,20 @@ dataset row) on request.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from typing import Any, Protocol
+from collections.abc import Iterator
 
 import numpy as np
 
-from batchctl.errors import ResumeMismatchError, UsageError
+from batchctl.errors import UsageError
+from batchctl.read.tokens import TokenLoader, TokenSource
 
 
-class TokenSource(Protocol):
-    """What packed blocks and token budgets read: `batchctl.Dataset` (reader.py imports this
-    module, not the reverse)."""
-
-    path: str
-    build_id: str
-    batch_size: int
-
-    @property
-    def ragged(self) -> Mapping[str, Any]: ...
-
-    @property
-    def fields(self) -> dict[str, tuple[tuple[int, ...], np.dtype[Any]]]: ...
-
-    def __len__(self) -> int: ...
-
-    def read_batch(self, index: int, into: Any = None, fields: list[str] | None = None) -> dict[str, Any]: ...
-
-    def ragged_batch(self, name: str, index: int) -> tuple[np.ndarray, np.ndarray]: ...
-
-
-STATE_FORMAT = "batchctl-packed/1"
-
-
-class PackedLoader:
+class PackedLoader(TokenLoader):
     """This rank's packed batches of `batch_size` blocks of `block` tokens, epoch after epoch;
     `state_dict`/`load_state_dict` resume exactly on the same number of ranks."""
+
+    KIND = "packed blocks"
+    STATE_FORMAT = "batchctl-packed/1"
 
     def __init__(
         self,
@@ -64,22 +43,11 @@ class PackedLoader:
         field: str = "tokens",
         rows: bool = False,
     ) -> None:
-        for name, value in (("block", block), ("batch_size", batch_size), ("mix", mix), ("world_size", world_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise UsageError(f"packed blocks need {name} >= 1, got {value!r}")
-        if not 0 <= rank < world_size:
-            raise UsageError(f"rank {rank} is not one of world_size {world_size}'s ranks")
-        if field not in dataset.ragged or dataset.fields[field][0] != (-1,):
-            raise UsageError(
-                f"{dataset.path} has no ragged field {field!r} of rows (n,) to pack "
-                f"(its fields: {', '.join(dataset.fields)})"
-            )
-        self.dataset, self.field = dataset, field
-        self.options = {"block": block, "batch_size": batch_size, "seed": seed, "shuffle": shuffle, "mix": mix}
-        self.rank, self.world_size, self.with_rows = rank, world_size, rows
-        # each stored batch's documents' lengths, read once (its offsets alone: 16 bytes a document)
-        self.lengths = [offsets[:, 1] - offsets[:, 0] for offsets in metadata_offsets(dataset, field)]
-        self.epoch, self.step = 0, 0
+        options = {"block": block, "batch_size": batch_size, "seed": seed, "shuffle": shuffle, "mix": mix}
+        super().__init__(
+            dataset, field, rank, world_size, {"block": block, "batch_size": batch_size, "mix": mix}, options
+        )
+        self.with_rows = rows
         tokens = sum(int(lengths.sum()) for lengths in self.lengths)
         if tokens // world_size < block:
             raise UsageError(
@@ -88,13 +56,6 @@ class PackedLoader:
 
     # the epoch's layout ------------------------------------------------------------------------
 
-    def _rng(self, epoch: int, *more: int) -> np.random.Generator:
-        return np.random.default_rng([self.options["seed"], epoch, *more])
-
-    def _order(self, epoch: int) -> np.ndarray:
-        count = len(self.lengths)
-        return self._rng(epoch).permutation(count) if self.options["shuffle"] else np.arange(count)
-
     def _stretch(self, epoch: int) -> tuple[np.ndarray, np.ndarray, int, int]:
         """The epoch's stored-batch order, where each starts in the stream, and this rank's
         tokens [first, first + blocks x block)."""
@@ -102,16 +63,12 @@ class PackedLoader:
         sizes = np.array([int(self.lengths[i].sum()) for i in order], dtype=np.int64)
         starts = np.concatenate([[0], np.cumsum(sizes)])
         share = int(starts[-1]) // self.world_size
-        blocks = share // self.options["block"]
+        blocks = share // int(self.options["block"])
         return order, starts, self.rank * share, blocks
-
-    def __len__(self) -> int:
-        """This rank's steps left in the current epoch."""
-        return max(self._steps(self.epoch) - self.step, 0)
 
     def _steps(self, epoch: int) -> int:
         blocks = self._stretch(epoch)[3]
-        return -(-blocks // self.options["batch_size"])
+        return -(-blocks // int(self.options["batch_size"]))
 
     # reading -------------------------------------------------------------------------------------
 
@@ -167,52 +124,3 @@ class PackedLoader:
             pieces.append((tokens[begin:end], positions, rows))
         joined = tuple(np.concatenate([piece[k] for piece in pieces]) for k in range(3))
         return joined  # type: ignore[return-value]  # (rows: empty unless asked for)
-
-    # resuming ------------------------------------------------------------------------------------
-
-    def set_epoch(self, epoch: int) -> None:
-        if epoch != self.epoch:
-            self.epoch, self.step = int(epoch), 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "format": STATE_FORMAT,
-            "build_id": self.dataset.build_id,
-            "options": {**self.options, "field": self.field},
-            "world_size": self.world_size,
-            "epoch": self.epoch,
-            "step": self.step,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-            raise ResumeMismatchError(f"not a packed loader's state (expected format {STATE_FORMAT!r})")
-        if state.get("build_id") != self.dataset.build_id:
-            raise ResumeMismatchError(f"the state is of another version of {self.dataset.path} (it was rebuilt since)")
-        mine = {**self.options, "field": self.field}
-        if state.get("options") != mine:
-            raise ResumeMismatchError(
-                f"the state was saved with the options {state.get('options')}, this loader has {mine}"
-            )
-        if state.get("world_size") != self.world_size:
-            raise ResumeMismatchError(
-                f"the state was saved on {state.get('world_size')} ranks, this is {self.world_size}: packed blocks "
-                "resume on the same number of ranks"
-            )
-        epoch, step = state.get("epoch"), state.get("step")
-        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (epoch, step)):
-            raise ResumeMismatchError(f"the state's epoch and step are not ints >= 0: {epoch!r}, {step!r}")
-        assert isinstance(epoch, int) and isinstance(step, int)
-        if step > self._steps(epoch):
-            raise ResumeMismatchError(f"the state's step {step} is past its epoch's {self._steps(epoch)} steps")
-        self.epoch, self.step = epoch, step
-
-
-def metadata_offsets(dataset: TokenSource, field: str) -> list[np.ndarray]:
-    """Each stored batch's `[start, stop)` rows of a ragged field (its offsets array alone)."""
-    name = f"{field}.offsets"
-    found = []
-    for index in range(len(dataset)):
-        offsets = np.asarray(dataset.read_batch(index, fields=[name])[name], dtype=np.int64)
-        found.append(offsets.reshape(-1, 2))
-    return found
