@@ -55,10 +55,12 @@ def _tokenizer(path: str, sha256: str) -> Any:
     return Tokenizer.from_file(path)
 
 
+@functools.cache  # (once per process, not per document)
 def _dtype(path: str, sha256: str) -> type[np.unsignedinteger[Any]]:
     return np.uint16 if _tokenizer(path, sha256).get_vocab_size(with_added_tokens=True) <= UINT16_IDS else np.uint32
 
 
+@functools.cache  # (the vocabulary is a dict made afresh by each get_vocab: once per process)
 def _eos_id(path: str, sha256: str, eos: str) -> int | None:
     if eos == "none":
         return None
