@@ -411,23 +411,18 @@ def _discover_url(
     skip: str | None,
 ) -> Discovery:
     """The objects under a URL; an object's stamp is its size and LastModified time."""
-    fs, root = storage.locate(source, storage_options)
-    try:
-        listing = fs.find(root, detail=True)
-    except Exception as exc:  # noqa: BLE001 - the store's client raises many kinds
-        raise UsageError(f"SOURCE {source} cannot be listed: {exc}") from None
+    listing = _listed(source, storage_options)
     if not listing:
         raise UsageError(f"SOURCE {source}: no objects there.")
     found: list[tuple[str, int, int]] = []
     ignored: list[str] = []
-    for name, entry in sorted(listing.items()):
-        rel = name[len(root) :].lstrip("/")
+    for rel, (size, mtime_ns) in sorted(listing.items()):
         if any(part.startswith(".") for part in rel.split("/")) or (skip and (rel + "/").startswith(skip + "/")):
             continue
         if not accepts(rel):
             ignored.append(rel)
             continue
-        found.append((rel, *_object_stamp(entry)))
+        found.append((rel, size, mtime_ns))
     return _labelled(found, ignored, [], seed)
 
 
