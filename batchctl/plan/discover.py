@@ -63,7 +63,7 @@ def watch_reads(discovery: Discovery, source: str, patterns: tuple[str, ...]) ->
     if storage.is_url(source) or discovery.content is not None:
         where = "a URL SOURCE" if storage.is_url(source) else "a Parquet holding the files"
         raise UsageError(f"the plugin declares files it reads (@reads), which {where} does not have beside its inputs")
-    root = Path(source if Path(source).is_dir() else Path(source).parent)
+    root = Path(tables.files_root(source))
     stamps: dict[str, str] = {}
 
     def stamp(relpath: str) -> str:
